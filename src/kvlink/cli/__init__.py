@@ -1,0 +1,1 @@
+"""Command line: kvlink demo | serve | proxy | bench | plan."""

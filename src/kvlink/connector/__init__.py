@@ -1,0 +1,1 @@
+"""Request lifecycle: scheduler side and worker side of the connector, stats."""

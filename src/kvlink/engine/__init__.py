@@ -1,0 +1,1 @@
+"""Reference engine: models, paged cache, block pool, scheduler, runner."""

@@ -1,0 +1,1 @@
+"""Pure description of one worker's KV memory: specs, regions, page geometry."""

@@ -1,0 +1,1 @@
+"""Pure transfer planning: which bytes of P go to which bytes of D."""

@@ -1,0 +1,1 @@
+"""OpenAI-compatible servers and the P/D proxy."""

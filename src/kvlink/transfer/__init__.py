@@ -1,0 +1,1 @@
+"""Effects: NIXL agent, side-channel handshake, wire structs."""
