@@ -1,0 +1,45 @@
+"""`kvlink` entry point: dispatches to one module per subcommand."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# subcommand -> module defining `add_arguments(parser)` and `run(args) -> int`.
+# Modules are imported only when their command runs, so `kvlink plan` never loads torch.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "plan": ("kvlink.cli.plan_cmd", "show the transfer plan between a P and a D configuration"),
+}
+
+# `kvlink bench <name>`: one module per benchmark.
+BENCHES: dict[str, tuple[str, str]] = {
+    "plan": ("kvlink.cli.bench_plan", "time per-request planning arrays"),
+}
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvlink", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        p.set_defaults(_module=module)
+        importlib.import_module(module).add_arguments(p)
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    for name, (module, help_text) in BENCHES.items():
+        p = bench_sub.add_parser(name, help=help_text)
+        p.set_defaults(_module=module)
+        importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    code: int = importlib.import_module(args._module).run(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""Shapes of the KV tensors one worker allocates, and the element layout of an SSM state page."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from kvlink.layout.spec import GDN, MLA, GroupSpec, Mamba2, ModelSpec, is_ssm
+
+TensorKind = Literal["attention", "mla", "ssm"]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One layer's cache tensor on one worker. Row 0 of `shape` is the block axis."""
+
+    layer: int
+    group: int
+    kind: TensorKind
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class PageSlice:
+    """A named piece of an SSM page, in elements from the page start."""
+
+    name: str
+    offset: int
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def check_block_sizes(block_size: int, kernel_block_size: int) -> int:
+    """Return `physical_per_logical`, refusing sizes that do not nest."""
+    if block_size <= 0 or kernel_block_size <= 0:
+        raise ValueError(f"block sizes must be positive, got {block_size} and {kernel_block_size}")
+    if block_size % kernel_block_size:
+        raise ValueError(
+            f"block_size {block_size} is not a multiple of kernel_block_size {kernel_block_size}"
+        )
+    return block_size // kernel_block_size
+
+
+def ssm_page_slices(group: Mamba2 | GDN, tp_size: int) -> tuple[PageSlice, ...]:
+    """Conv sub-projections dim-first ([channels, conv_kernel-1] each), then the temporal state."""
+    rows = group.conv_kernel - 1
+    slices = []
+    offset = 0
+    for part in group.conv_parts():
+        channels = part.units_on_rank(tp_size) * part.unit_elems // rows
+        slices.append(PageSlice(part.name, offset, (channels, rows)))
+        offset += channels * rows
+    state = group.state_part()
+    heads = state.units_on_rank(tp_size)
+    if isinstance(group, Mamba2):
+        state_shape = (heads, group.head_dim, group.d_state)
+    else:
+        state_shape = (heads, group.head_v_dim, group.head_k_dim)
+    slices.append(PageSlice(state.name, offset, state_shape))
+    return tuple(slices)
+
+
+def ssm_page_elems(group: Mamba2 | GDN, tp_size: int) -> int:
+    last = ssm_page_slices(group, tp_size)[-1]
+    return last.offset + last.numel
+
+
+def _tensor_for(
+    model: ModelSpec, layer: int, group: GroupSpec, tp_size: int,
+    kernel_block_size: int, kernel_blocks: int, logical_blocks: int,
+) -> TensorSpec:
+    gi = model.layer_groups[layer]
+    if isinstance(group, MLA):
+        return TensorSpec(layer, gi, "mla", (kernel_blocks, kernel_block_size, group.latent_dim), model.dtype)
+    if is_ssm(group):
+        assert isinstance(group, (Mamba2, GDN))
+        return TensorSpec(layer, gi, "ssm", (logical_blocks, ssm_page_elems(group, tp_size)), model.dtype)
+    heads = model.attention_part().units_on_rank(tp_size)
+    shape = (kernel_blocks, heads, kernel_block_size, 2 * model.head_dim)
+    return TensorSpec(layer, gi, "attention", shape, model.dtype)
+
+
+def kv_tensor_specs(
+    model: ModelSpec, tp_size: int, block_size: int, kernel_block_size: int, num_blocks: int,
+) -> tuple[TensorSpec, ...]:
+    """Every cache tensor of one worker, in layer order.
+
+    `num_blocks` counts logical blocks. Attention and MLA tensors are indexed by kernel
+    block (`num_blocks * physical_per_logical` rows); SSM tensors by logical block.
+    """
+    if tp_size <= 0:
+        raise ValueError(f"tp_size must be positive, got {tp_size}")
+    ppl = check_block_sizes(block_size, kernel_block_size)
+    return tuple(
+        _tensor_for(model, layer, model.groups[g], tp_size, kernel_block_size, num_blocks * ppl, num_blocks)
+        for layer, g in enumerate(model.layer_groups)
+    )
