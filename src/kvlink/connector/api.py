@@ -1,0 +1,132 @@
+"""The engine-facing connector API: a scheduler side and a worker side, engine-agnostic.
+
+An engine (ours, or any other that owns paged KV memory) drives a connector with
+these calls and nothing else. The scheduler side decides *what* moves; the worker
+side (one per TP rank) moves bytes. In a single-process engine both live together.
+
+Call order per engine step (see docs/connector-api.md):
+
+    scheduler: on_new_request -> get_num_new_matched_tokens -> (engine allocates)
+               -> update_state_after_alloc -> build_step_metadata
+    worker:    start_load_kv(metadata) ... get_finished() each step
+    scheduler: update_connector_output(output); request_finished(...) at the end
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+LoadFailurePolicy = Literal["recompute", "fail"]
+TransferMode = Literal["pull", "push"]
+
+
+@dataclass(frozen=True)
+class RequestView:
+    """What the connector needs to know about a request, engine-independent.
+
+    `block_ids` and other per-group lists are indexed by KV-cache group.
+    """
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+@dataclass
+class StepMetadata:
+    """Per-step instructions from the scheduler side to every worker (plain data, picklable-free)."""
+
+    loads: list[dict[str, Any]] = field(default_factory=list)
+    saves: list[dict[str, Any]] = field(default_factory=list)
+    notify_only: list[dict[str, Any]] = field(default_factory=list)
+    frees: list[str] = field(default_factory=list)
+
+
+@dataclass
+class WorkerOutput:
+    """What one worker reports after a step; the engine merges them across TP ranks."""
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
+    invalid_block_ids: set[int] = field(default_factory=set)
+
+
+class ConnectorScheduler(abc.ABC):
+    """Scheduler side. Owns leases and per-request transfer state; never touches memory."""
+
+    load_failure_policy: LoadFailurePolicy = "fail"
+
+    @abc.abstractmethod
+    def on_new_request(self, request: RequestView) -> None:
+        """A request entered the engine (starts lease heartbeats on D)."""
+
+    @abc.abstractmethod
+    def get_num_new_matched_tokens(
+        self, request: RequestView, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """Tokens beyond `num_computed_tokens` that can be loaded from a remote engine.
+
+        Returns `(count, is_async)`: when async, the engine allocates blocks for them
+        and parks the request until the worker reports it in `finished_recving`.
+        """
+
+    @abc.abstractmethod
+    def update_state_after_alloc(
+        self, request: RequestView, block_ids: Sequence[Sequence[int]], num_external_tokens: int,
+        num_computed_tokens: int,
+    ) -> None:
+        """The engine allocated `block_ids` (per group, whole request) for the request."""
+
+    @abc.abstractmethod
+    def build_step_metadata(self) -> StepMetadata:
+        """Collect this step's work for the workers and clear per-step state."""
+
+    @abc.abstractmethod
+    def update_connector_output(self, output: WorkerOutput) -> None:
+        """Merged worker output of the step."""
+
+    @abc.abstractmethod
+    def request_finished(
+        self, request: RequestView, block_ids: Sequence[Sequence[int]], aborted: bool,
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Returns `(delay_free, kv_transfer_params)`.
+
+        With `delay_free` the engine keeps the blocks until the request appears in
+        `finished_sending`; `kv_transfer_params` go back to the client (P -> proxy -> D).
+        """
+
+    def has_pending_work(self) -> bool:
+        """True while leases, loads or pushes are outstanding (the engine keeps stepping)."""
+        return False
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Stop background threads and listeners."""
+
+
+class ConnectorWorker(abc.ABC):
+    """Worker side: one per TP rank. Registers memory and moves bytes."""
+
+    @abc.abstractmethod
+    def register_kv_caches(self, base_addrs: Sequence[int], nbytes: Sequence[int]) -> None:
+        """Register every cache tensor of this rank, in layer order (see layout.kv_tensor_specs)."""
+
+    @abc.abstractmethod
+    def start_load_kv(self, metadata: StepMetadata) -> None:
+        """Post this step's loads, saves and notifications; never blocks on a transfer."""
+
+    @abc.abstractmethod
+    def get_finished(self) -> WorkerOutput:
+        """Poll transfers, notifications and leases; report what finished or failed."""
+
+    def get_stats(self) -> dict[str, Any]:
+        """Accumulated transfer stats since the last call."""
+        return {}
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Release transfers, remote agents and registered memory."""
