@@ -1,0 +1,90 @@
+"""`kv_transfer_params`: the fields routers pass between P and D, validated before use.
+
+Field names follow vLLM's NixlConnector so existing routers work unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+MAX_BLOCK_ID = 1 << 40
+
+
+class InvalidTransferParams(ValueError):
+    """A client or router sent `kv_transfer_params` we cannot use; the message says why."""
+
+
+class RemotePrefillParams(msgspec.Struct, forbid_unknown_fields=False):
+    """What D needs to pull a request's KV from P (P's answer, forwarded by the proxy)."""
+
+    do_remote_prefill: bool
+    remote_engine_id: str
+    remote_request_id: str
+    remote_block_ids: list[list[int]]
+    remote_host: str
+    remote_port: int
+    tp_size: int
+    remote_num_tokens: int | None = None
+    transfer_mode: str = "pull"
+    do_remote_decode: bool = False
+
+
+def _normalize_block_ids(raw: Any) -> Any:
+    """Accept one flat list (single group, as vLLM sends without HMA) or a list per group."""
+    if isinstance(raw, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in raw):
+        return [raw]
+    return raw
+
+
+def parse_remote_prefill(params: dict[str, Any]) -> RemotePrefillParams:
+    """Validate D-side params; raise InvalidTransferParams naming the bad field."""
+    if not isinstance(params, dict):
+        raise InvalidTransferParams(f"kv_transfer_params must be an object, got {type(params).__name__}")
+    data = dict(params)
+    if "remote_block_ids" in data:
+        data["remote_block_ids"] = _normalize_block_ids(data["remote_block_ids"])
+    try:
+        parsed = msgspec.convert(data, RemotePrefillParams, strict=True)
+    except msgspec.ValidationError as exc:
+        raise InvalidTransferParams(f"invalid kv_transfer_params: {exc}") from None
+    if parsed.transfer_mode not in ("pull", "push"):
+        raise InvalidTransferParams(
+            f"kv_transfer_params.transfer_mode must be 'pull' or 'push', got {parsed.transfer_mode!r}"
+        )
+    if not 0 < parsed.remote_port < 65536:
+        raise InvalidTransferParams(f"kv_transfer_params.remote_port {parsed.remote_port} is not a TCP port")
+    if not 0 < parsed.tp_size <= 1024:
+        raise InvalidTransferParams(f"kv_transfer_params.tp_size {parsed.tp_size} is out of range")
+    for group, ids in enumerate(parsed.remote_block_ids):
+        bad = [b for b in ids if not 0 <= b < MAX_BLOCK_ID]
+        if bad:
+            raise InvalidTransferParams(
+                f"kv_transfer_params.remote_block_ids[{group}] has invalid block ids {bad[:5]}"
+            )
+        if len(set(ids)) != len(ids):
+            raise InvalidTransferParams(f"kv_transfer_params.remote_block_ids[{group}] repeats a block id")
+    if parsed.remote_num_tokens is not None and parsed.remote_num_tokens < 0:
+        raise InvalidTransferParams("kv_transfer_params.remote_num_tokens must be >= 0")
+    return parsed
+
+
+def wants_remote_decode(params: dict[str, Any] | None) -> bool:
+    """P side: the proxy asked us to prefill for a remote decoder."""
+    if not params:
+        return False
+    flag = params.get("do_remote_decode", False)
+    if not isinstance(flag, bool):
+        raise InvalidTransferParams("kv_transfer_params.do_remote_decode must be a boolean")
+    return flag
+
+
+def wants_remote_prefill(params: dict[str, Any] | None) -> bool:
+    """D side: this request's prompt KV lives on a remote prefill engine."""
+    if not params:
+        return False
+    flag = params.get("do_remote_prefill", False)
+    if not isinstance(flag, bool):
+        raise InvalidTransferParams("kv_transfer_params.do_remote_prefill must be a boolean")
+    return flag
