@@ -43,6 +43,7 @@ class StepMetadata:
     saves: list[dict[str, Any]] = field(default_factory=list)
     notify_only: list[dict[str, Any]] = field(default_factory=list)
     frees: list[str] = field(default_factory=list)
+    heartbeats: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass

@@ -1,0 +1,154 @@
+"""Scheduler side of the NIXL connector: decides what moves, never touches memory.
+
+P: a finished `do_remote_decode` request keeps its blocks (delay_free) and answers with
+the params D needs. D: a `do_remote_prefill` request asks for N-1 prompt tokens from
+P, gets blocks, and is parked until the workers report the load finished or failed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvlink.connector.api import ConnectorScheduler, RequestView, StepMetadata, WorkerOutput
+from kvlink.connector.config import ConnectorConfig
+from kvlink.connector.params import (
+    RemotePrefillParams,
+    parse_remote_prefill,
+    wants_remote_decode,
+    wants_remote_prefill,
+)
+
+
+@dataclass
+class _RemoteRequest:
+    params: RemotePrefillParams
+    loaded: bool = False
+
+
+class NixlScheduler(ConnectorScheduler):
+    """One per engine. `tp_size` is this engine's TP size (advertised to the peer)."""
+
+    def __init__(
+        self, config: ConnectorConfig, tp_size: int, clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.tp_size = tp_size
+        self.load_failure_policy = config.load_failure_policy
+        self._clock = clock
+        self._remote: dict[str, _RemoteRequest] = {}
+        self._held: set[str] = set()
+        self._step = StepMetadata()
+        self._last_heartbeat = float("-inf")
+
+    # ---- D side -------------------------------------------------------------------------
+    def on_new_request(self, request: RequestView) -> None:
+        if wants_remote_prefill(request.kv_transfer_params):
+            assert request.kv_transfer_params is not None
+            params = parse_remote_prefill(request.kv_transfer_params)
+            self._remote[request.request_id] = _RemoteRequest(params)
+
+    def get_num_new_matched_tokens(
+        self, request: RequestView, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        remote = self._remote.get(request.request_id)
+        if remote is None or remote.loaded:
+            return 0, False
+        missing = len(request.prompt_token_ids) - 1 - num_computed_tokens
+        if missing <= 0:
+            # D already holds every token P could send: only tell P to free.
+            self._step.notify_only.append(self._entry(request.request_id, remote.params))
+            del self._remote[request.request_id]
+            return 0, False
+        return missing, True
+
+    def update_state_after_alloc(
+        self, request: RequestView, block_ids: Sequence[Sequence[int]], num_external_tokens: int,
+        num_computed_tokens: int,
+    ) -> None:
+        remote = self._remote.get(request.request_id)
+        if remote is None or remote.loaded:
+            return
+        remote.loaded = True
+        entry = self._entry(request.request_id, remote.params)
+        entry.update(
+            local_block_ids=[list(ids) for ids in block_ids],
+            local_computed_tokens=num_computed_tokens,
+            num_tokens=len(request.prompt_token_ids) - 1,
+        )
+        self._step.loads.append(entry)
+
+    def _entry(self, request_id: str, p: RemotePrefillParams) -> dict[str, Any]:
+        return {
+            "request_id": request_id,
+            "remote_request_id": p.remote_request_id,
+            "remote_engine_id": p.remote_engine_id,
+            "remote_host": p.remote_host,
+            "remote_port": p.remote_port,
+            "remote_tp_size": p.tp_size,
+            "remote_block_ids": [list(ids) for ids in p.remote_block_ids],
+            "transfer_mode": p.transfer_mode,
+        }
+
+    # ---- both sides ---------------------------------------------------------------------
+    def build_step_metadata(self) -> StepMetadata:
+        now = self._clock()
+        if now - self._last_heartbeat >= self.config.heartbeat_interval_s:
+            self._last_heartbeat = now
+            self._step.heartbeats = self._heartbeats()
+        step, self._step = self._step, StepMetadata()
+        return step
+
+    def _heartbeats(self) -> list[dict[str, Any]]:
+        by_engine: dict[tuple[str, str, int, int], list[str]] = {}
+        for remote in self._remote.values():
+            p = remote.params
+            key = (p.remote_engine_id, p.remote_host, p.remote_port, p.tp_size)
+            by_engine.setdefault(key, []).append(p.remote_request_id)
+        return [
+            {"remote_engine_id": e, "remote_host": h, "remote_port": port, "remote_tp_size": tp,
+             "remote_request_ids": ids}
+            for (e, h, port, tp), ids in by_engine.items()
+        ]
+
+    def update_connector_output(self, output: WorkerOutput) -> None:
+        for rid in output.finished_recving | output.failed_recving:
+            self._remote.pop(rid, None)
+        self._held -= output.finished_sending
+
+    def request_finished(
+        self, request: RequestView, block_ids: Sequence[Sequence[int]], aborted: bool,
+    ) -> tuple[bool, dict[str, Any] | None]:
+        remote = self._remote.pop(request.request_id, None)
+        if remote is not None and not remote.loaded:
+            # Aborted before D allocated: P must not wait for the lease to run out.
+            self._step.notify_only.append(self._entry(request.request_id, remote.params))
+        if not wants_remote_decode(request.kv_transfer_params):
+            return False, None
+        if aborted or not any(block_ids):
+            return False, None
+        self._held.add(request.request_id)
+        self._step.saves.append(
+            {"request_id": request.request_id, "block_ids": [list(ids) for ids in block_ids]}
+        )
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.config.engine_id,
+            "remote_request_id": request.request_id,
+            "remote_block_ids": [list(ids) for ids in block_ids],
+            "remote_host": self.config.side_channel_host,
+            "remote_port": self.config.side_channel_port,
+            "tp_size": self.tp_size,
+            "remote_num_tokens": max(0, len(request.prompt_token_ids) - 1),
+            "transfer_mode": self.config.transfer_mode,
+        }
+
+    def has_pending_work(self) -> bool:
+        s = self._step
+        return bool(self._remote or self._held or s.loads or s.saves or s.notify_only or s.frees)
+
+    def shutdown(self) -> None:
+        self._remote.clear()

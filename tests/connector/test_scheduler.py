@@ -1,0 +1,115 @@
+"""Scheduler side: params P hands out, loads D schedules, aborts, heartbeats."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvlink.connector.api import RequestView, WorkerOutput
+from kvlink.connector.config import ConnectorConfig
+from kvlink.connector.params import InvalidTransferParams
+from kvlink.connector.scheduler import NixlScheduler
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def p_params(**over: object) -> dict[str, object]:
+    base: dict[str, object] = {
+        "do_remote_prefill": True, "remote_engine_id": "P", "remote_request_id": "p-1",
+        "remote_block_ids": [[4, 5, 6]], "remote_host": "127.0.0.1", "remote_port": 5600,
+        "tp_size": 2,
+    }
+    base.update(over)
+    return base
+
+
+def test_prefill_finish_holds_blocks_and_returns_vllm_fields() -> None:
+    s = NixlScheduler(ConnectorConfig("P", side_channel_port=7000), tp_size=2)
+    req = RequestView("r1", list(range(40)), {"do_remote_decode": True})
+    delay, params = s.request_finished(req, [[1, 2, 3]], aborted=False)
+    assert delay and params is not None
+    assert params["remote_block_ids"] == [[1, 2, 3]]
+    assert params["remote_port"] == 7000 and params["tp_size"] == 2
+    assert params["remote_num_tokens"] == 39 and params["do_remote_prefill"] is True
+    step = s.build_step_metadata()
+    assert step.saves == [{"request_id": "r1", "block_ids": [[1, 2, 3]]}]
+    assert s.has_pending_work()
+    s.update_connector_output(WorkerOutput(finished_sending={"r1"}))
+    assert not s.has_pending_work()
+
+
+def test_aborted_prefill_frees_at_once() -> None:
+    s = NixlScheduler(ConnectorConfig("P"), tp_size=1)
+    req = RequestView("r1", [1, 2, 3], {"do_remote_decode": True})
+    assert s.request_finished(req, [[1]], aborted=True) == (False, None)
+    assert not s.build_step_metadata().saves
+
+
+def test_decode_loads_missing_tokens_only() -> None:
+    s = NixlScheduler(ConnectorConfig("D"), tp_size=1)
+    req = RequestView("d1", list(range(33)), p_params())
+    s.on_new_request(req)
+    assert s.get_num_new_matched_tokens(req, 16) == (16, True)
+    s.update_state_after_alloc(req, [[9, 8, 7]], 16, 16)
+    step = s.build_step_metadata()
+    (load,) = step.loads
+    assert load["local_block_ids"] == [[9, 8, 7]] and load["local_computed_tokens"] == 16
+    assert load["num_tokens"] == 32 and load["remote_request_id"] == "p-1"
+    assert s.get_num_new_matched_tokens(req, 16) == (0, False), "a request loads at most once"
+    s.update_connector_output(WorkerOutput(finished_recving={"d1"}))
+    assert not s.has_pending_work()
+
+
+def test_full_local_hit_only_notifies() -> None:
+    s = NixlScheduler(ConnectorConfig("D"), tp_size=1)
+    req = RequestView("d1", list(range(17)), p_params())
+    s.on_new_request(req)
+    assert s.get_num_new_matched_tokens(req, 16) == (0, False)
+    step = s.build_step_metadata()
+    assert not step.loads and [n["remote_request_id"] for n in step.notify_only] == ["p-1"]
+    assert not s.has_pending_work()
+
+
+def test_abort_before_allocation_notifies_prefill() -> None:
+    s = NixlScheduler(ConnectorConfig("D"), tp_size=1)
+    req = RequestView("d1", list(range(17)), p_params())
+    s.on_new_request(req)
+    assert s.request_finished(req, [], aborted=True) == (False, None)
+    assert [n["remote_request_id"] for n in s.build_step_metadata().notify_only] == ["p-1"]
+
+
+def test_heartbeats_grouped_per_engine_at_interval() -> None:
+    clock = Clock()
+    s = NixlScheduler(ConnectorConfig("D", lease_s=6.0), tp_size=1, clock=clock)
+    for i in range(3):
+        s.on_new_request(RequestView(f"d{i}", [1, 2, 3], p_params(remote_request_id=f"p{i}")))
+    (hb,) = s.build_step_metadata().heartbeats
+    assert sorted(hb["remote_request_ids"]) == ["p0", "p1", "p2"]
+    clock.now = 0.5
+    assert not s.build_step_metadata().heartbeats
+    clock.now = 1.0
+    assert s.build_step_metadata().heartbeats
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"remote_block_ids": [[-1]]},
+        {"remote_block_ids": "1,2"},
+        {"remote_port": 0},
+        {"tp_size": "2"},
+        {"remote_engine_id": None},
+        {"transfer_mode": "teleport"},
+        {"remote_block_ids": [[1, 1]]},
+    ],
+)
+def test_invalid_params_are_refused_with_the_field_named(bad: dict[str, object]) -> None:
+    s = NixlScheduler(ConnectorConfig("D"), tp_size=1)
+    with pytest.raises(InvalidTransferParams) as err:
+        s.on_new_request(RequestView("d1", [1, 2], p_params(**bad)))
+    assert "kv_transfer_params" in str(err.value) or "remote" in str(err.value)
