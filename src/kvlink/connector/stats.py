@@ -1,0 +1,106 @@
+"""Transfer statistics: per-transfer figures, failure counters, Prometheus exposition."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+@dataclass
+class TransferRecord:
+    request_id: str
+    duration_s: float
+    post_s: float
+    nbytes: int
+    descriptors: int
+
+
+@dataclass
+class ConnectorStats:
+    """Accumulates figures; `take()` returns a plain dict and resets the per-transfer list."""
+
+    transfers: list[TransferRecord] = field(default_factory=list)
+    counters: dict[str, int] = field(
+        default_factory=lambda: {
+            "transfers_total": 0,
+            "bytes_total": 0,
+            "failed_transfers_total": 0,
+            "stalled_transfers_total": 0,
+            "failed_handshakes_total": 0,
+            "failed_notifications_total": 0,
+            "expired_leases_total": 0,
+            "refused_peers_total": 0,
+            "notify_only_total": 0,
+        }
+    )
+
+    def record(self, rec: TransferRecord) -> None:
+        self.transfers.append(rec)
+        self.counters["transfers_total"] += 1
+        self.counters["bytes_total"] += rec.nbytes
+
+    def count(self, name: str, n: int = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + n
+
+    def take(self) -> dict[str, Any]:
+        out = {
+            "counters": dict(self.counters),
+            "transfers": [vars(t).copy() for t in self.transfers],
+        }
+        self.transfers = []
+        return out
+
+
+@dataclass
+class _Histogram:
+    buckets: tuple[float, ...]
+    counts: list[int]
+    total: float = 0.0
+    n: int = 0
+
+    def observe(self, value: float) -> None:
+        self.n += 1
+        self.total += value
+        for i, edge in enumerate(self.buckets):
+            if value <= edge:
+                self.counts[i] += 1
+
+
+class PrometheusExporter:
+    """Folds `ConnectorStats.take()` snapshots into cumulative Prometheus text."""
+
+    def __init__(self, prefix: str = "kvlink") -> None:
+        self.prefix = prefix
+        self.counters: dict[str, int] = {}
+        byte_buckets = tuple(float(1 << k) for k in range(12, 34, 2))
+        self.hist = {
+            "xfer_time_seconds": _Histogram(_BUCKETS_S, [0] * len(_BUCKETS_S)),
+            "post_time_seconds": _Histogram(_BUCKETS_S, [0] * len(_BUCKETS_S)),
+            "bytes_transferred": _Histogram(byte_buckets, [0] * len(byte_buckets)),
+            "num_descriptors": _Histogram(
+                tuple(float(10**k) for k in range(7)), [0] * 7
+            ),
+        }
+
+    def update(self, snapshot: dict[str, Any]) -> None:
+        self.counters.update(snapshot.get("counters", {}))
+        for t in snapshot.get("transfers", []):
+            self.hist["xfer_time_seconds"].observe(float(t["duration_s"]))
+            self.hist["post_time_seconds"].observe(float(t["post_s"]))
+            self.hist["bytes_transferred"].observe(float(t["nbytes"]))
+            self.hist["num_descriptors"].observe(float(t["descriptors"]))
+
+    def render(self) -> str:
+        lines: list[str] = []
+        for name, value in sorted(self.counters.items()):
+            full = f"{self.prefix}_{name}"
+            lines += [f"# TYPE {full} counter", f"{full} {value}"]
+        for name, h in self.hist.items():
+            full = f"{self.prefix}_{name}"
+            lines.append(f"# TYPE {full} histogram")
+            for edge, c in zip(h.buckets, h.counts, strict=True):
+                lines.append(f'{full}_bucket{{le="{edge:g}"}} {c}')
+            lines += [f'{full}_bucket{{le="+Inf"}} {h.n}', f"{full}_sum {h.total:g}", f"{full}_count {h.n}"]
+        return "\n".join(lines) + "\n"

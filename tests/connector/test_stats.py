@@ -1,0 +1,31 @@
+"""Stats accumulate, reset per snapshot, and render as valid Prometheus text."""
+
+from __future__ import annotations
+
+from kvlink.connector.stats import ConnectorStats, PrometheusExporter, TransferRecord
+
+
+def test_snapshot_resets_transfers_but_keeps_counters() -> None:
+    s = ConnectorStats()
+    s.record(TransferRecord("r", 0.002, 0.001, 4096, 3))
+    s.count("stalled_transfers_total")
+    snap = s.take()
+    assert snap["counters"]["bytes_total"] == 4096
+    assert snap["counters"]["stalled_transfers_total"] == 1
+    assert len(snap["transfers"]) == 1
+    assert s.take()["transfers"] == []
+
+
+def test_prometheus_text_has_counters_and_cumulative_histograms() -> None:
+    s = ConnectorStats()
+    s.record(TransferRecord("a", 0.002, 0.001, 4096, 3))
+    s.record(TransferRecord("b", 0.2, 0.001, 1 << 20, 300))
+    exp = PrometheusExporter()
+    exp.update(s.take())
+    text = exp.render()
+    assert "kvlink_transfers_total 2" in text
+    assert 'kvlink_xfer_time_seconds_bucket{le="0.0025"} 1' in text
+    assert 'kvlink_xfer_time_seconds_bucket{le="+Inf"} 2' in text
+    assert "kvlink_num_descriptors_count 2" in text
+    for line in text.splitlines():
+        assert line.startswith("#") or len(line.split(" ")) == 2
