@@ -1,0 +1,116 @@
+"""The tiny hybrid model: split prefill is exact, TP shards sum to the unsharded model."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from kvlink.engine.kv_cache import allocate_kv_caches
+from kvlink.engine.model.tiny_hybrid import TINY_HYBRID, TinyHybridModel
+
+BLOCK, KERNEL_BLOCK, NUM_BLOCKS, VOCAB = 8, 4, 6, 512
+
+
+def _tables(attention_blocks: list[int], state_block: int) -> list[torch.Tensor]:
+    return [torch.tensor(attention_blocks), torch.tensor([state_block])]
+
+
+def _run(model: TinyHybridModel, tokens: torch.Tensor, splits: list[int]) -> torch.Tensor:
+    """Run `tokens` in consecutive calls of the given lengths; logits of every token."""
+    caches = allocate_kv_caches(model.spec, model.tp_size, BLOCK, KERNEL_BLOCK, NUM_BLOCKS)
+    tables = _tables([4, 1, 3], 2)
+    start, logits = 0, []
+    for length in splits:
+        logits.append(model.forward(tokens[start : start + length], start, tables, caches, block_size=BLOCK))
+        start += length
+    return torch.cat(logits)
+
+
+@pytest.fixture(scope="module")
+def model() -> TinyHybridModel:
+    return TinyHybridModel(vocab_size=VOCAB, seed=3)
+
+
+def test_prompt_split_before_last_token_gives_same_logits(model: TinyHybridModel) -> None:
+    tokens = torch.randint(0, VOCAB, (19,), generator=torch.Generator().manual_seed(0))
+    whole = _run(model, tokens, [19])
+    split = _run(model, tokens, [18, 1])
+    torch.testing.assert_close(split, whole, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("splits", [[1] * 7, [2, 3, 2], [3, 1, 1, 2]])
+def test_any_split_matches_one_call(model: TinyHybridModel, splits: list[int]) -> None:
+    tokens = torch.randint(0, VOCAB, (sum(splits),), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(_run(model, tokens, splits), _run(model, tokens, [sum(splits)]), atol=1e-4, rtol=1e-4)
+
+
+def test_ssm_state_changes_the_output(model: TinyHybridModel) -> None:
+    """A model that ignored its SSM page would pass the split tests; this one would not."""
+    tokens = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(2))
+    caches = allocate_kv_caches(model.spec, 1, BLOCK, KERNEL_BLOCK, NUM_BLOCKS)
+    tables = _tables([0], 5)
+    model.forward(tokens[:5], 0, tables, caches, block_size=BLOCK)
+    reference = model.forward(tokens[5:], 5, tables, caches, block_size=BLOCK)
+    for layer in TINY_HYBRID.layers_of(1):
+        caches[layer][5].zero_()
+    model.forward(tokens[:5], 0, tables, caches, block_size=BLOCK)  # refill attention only
+    for layer in TINY_HYBRID.layers_of(1):
+        caches[layer][5].zero_()
+    caches_state_lost = model.forward(tokens[5:], 5, tables, caches, block_size=BLOCK)
+    assert not torch.allclose(reference, caches_state_lost, atol=1e-3)
+
+
+class _ThreadAllReduce:
+    """In-place sum across `world` threads, one per simulated rank."""
+
+    def __init__(self, world: int) -> None:
+        self.barrier = threading.Barrier(world)
+        self.slots: list[torch.Tensor | None] = [None] * world
+
+    def for_rank(self, rank: int):  # type: ignore[no-untyped-def]
+        def all_reduce(tensor: torch.Tensor) -> None:
+            self.slots[rank] = tensor.clone()
+            self.barrier.wait()
+            total = torch.stack([s for s in self.slots if s is not None]).sum(0)
+            self.barrier.wait()
+            tensor.copy_(total)
+
+        return all_reduce
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_tp_shards_match_unsharded(model: TinyHybridModel, tp_size: int) -> None:
+    tokens = torch.randint(0, VOCAB, (11,), generator=torch.Generator().manual_seed(4))
+    expected = _run(model, tokens, [10, 1])
+    reduce = _ThreadAllReduce(tp_size)
+    shards = [
+        TinyHybridModel(vocab_size=VOCAB, seed=3, tp_rank=r, tp_size=tp_size, all_reduce=reduce.for_rank(r))
+        for r in range(tp_size)
+    ]
+    results: list[torch.Tensor | None] = [None] * tp_size
+
+    def run_rank(rank: int) -> None:
+        results[rank] = _run(shards[rank], tokens, [10, 1])
+
+    threads = [threading.Thread(target=run_rank, args=(r,)) for r in range(tp_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    for rank_logits in results:
+        assert rank_logits is not None
+        torch.testing.assert_close(rank_logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_shard_caches_hold_this_ranks_heads_only() -> None:
+    caches = allocate_kv_caches(TINY_HYBRID, 4, BLOCK, KERNEL_BLOCK, NUM_BLOCKS)
+    assert caches[0].shape == (NUM_BLOCKS * 2, 1, KERNEL_BLOCK, 64)
+    # conv x: 2 heads * 16, conv B and C: 1 group * 16 each, all over 3 rows; state 2*16*16
+    assert caches[1].shape == (NUM_BLOCKS, (32 + 16 + 16) * 3 + 2 * 16 * 16)
+
+
+def test_tp_size_that_splits_a_kv_head_is_refused() -> None:
+    with pytest.raises(ValueError, match="must divide num_kv_heads"):
+        TinyHybridModel(vocab_size=VOCAB, tp_size=8, all_reduce=lambda t: None)
