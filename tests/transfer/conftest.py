@@ -3,25 +3,27 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from transfer_peers import Holder
+from transfer_peers import BLOCKS, Holder, SpawnHolder
 
 from kvlink.transfer.agent import NixlAgent
-
-SpawnHolder = Callable[..., Holder]
 
 
 @pytest.fixture
 def spawn_holder(tmp_path: Path) -> Iterator[SpawnHolder]:
     started: list[Holder] = []
 
-    def spawn(name: str, seed: int = 1, env: dict[str, str] | None = None) -> Holder:
+    def spawn(
+        name: str, seed: int = 1, blocks: int = BLOCKS, env: dict[str, str] | None = None
+    ) -> Holder:
         engine_id = f"engine-{name}"
         log = tmp_path / f"{name}-{len(started)}.log"
-        holder = Holder(name, engine_id, seed, {"UCX_NET_DEVICES": "lo", **(env or {})}, log)
+        holder = Holder(
+            name, engine_id, seed, blocks, {"UCX_NET_DEVICES": "lo", **(env or {})}, log
+        )
         started.append(holder)
         return holder
 

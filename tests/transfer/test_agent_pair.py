@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 import pytest
-from transfer_peers import BLOCK_BYTES, BLOCKS, connect, pattern
+from transfer_peers import BLOCK_BYTES, BLOCKS, SpawnHolder, connect, pattern, wait_done
 
 from kvlink.transfer.agent import NixlAgent
 from kvlink.transfer.inflight import InflightTracker
@@ -28,13 +28,7 @@ def scattered_permutation(seed: int) -> np.ndarray:
             return perm
 
 
-def wait_done(agent: NixlAgent, transfer: object, timeout: float = 5.0) -> None:
-    end = time.monotonic() + timeout
-    while agent.poll(transfer) != "DONE":  # type: ignore[arg-type]
-        assert time.monotonic() < end, "transfer did not complete"
-
-
-def test_read_write_and_notifications(spawn_holder, decode_agent) -> None:
+def test_read_write_and_notifications(spawn_holder: SpawnHolder, decode_agent: NixlAgent) -> None:
     holder = spawn_holder("prefill-pair", seed=7)
     link = connect(decode_agent, holder)
     remote = blocks_of(pattern(7, BLOCKS * BLOCK_BYTES))
@@ -83,7 +77,7 @@ def test_read_write_and_notifications(spawn_holder, decode_agent) -> None:
     holder.expect(f"NOTIF {decode_agent.name} hello-42")
 
 
-def test_post_rejects_bad_index_arrays(spawn_holder, decode_agent) -> None:
+def test_post_rejects_bad_index_arrays(spawn_holder: SpawnHolder, decode_agent: NixlAgent) -> None:
     link = connect(decode_agent, spawn_holder("prefill-bad-idx"))
     with pytest.raises(ValueError, match="equal"):
         decode_agent.post("READ", link.local_handle, [0, 1], link.remote_handle, [0])
@@ -93,7 +87,7 @@ def test_post_rejects_bad_index_arrays(spawn_holder, decode_agent) -> None:
         decode_agent.post("READ", link.remote_handle, [0], link.local_handle, [0])
 
 
-def test_restarted_peer_with_same_name(spawn_holder, decode_agent) -> None:
+def test_restarted_peer_with_same_name(spawn_holder: SpawnHolder, decode_agent: NixlAgent) -> None:
     first = spawn_holder("prefill-restart", seed=3)
     link = connect(decode_agent, first)
     ids = np.arange(BLOCKS)

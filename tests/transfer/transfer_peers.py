@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import numpy as np
 
 from kvlink.transfer.agent import NixlAgent
 from kvlink.transfer.side_channel import fetch_payload
+from kvlink.transfer.xfer import Transfer
 
 HOLDER = Path(__file__).parent / "helpers" / "holder.py"
 BLOCKS = 64
@@ -30,12 +32,14 @@ def pattern(seed: int, nbytes: int) -> np.ndarray:
 class Holder:
     """One holder.py process, started and stopped by PID with bounded waits."""
 
-    def __init__(self, name: str, engine_id: str, seed: int, env: dict[str, str], log: Path):
-        self.name, self.engine_id, self.seed = name, engine_id, seed
+    def __init__(
+        self, name: str, engine_id: str, seed: int, blocks: int, env: dict[str, str], log: Path
+    ) -> None:
+        self.name, self.engine_id, self.seed, self.blocks = name, engine_id, seed, blocks
         self._log = log.open("w")
         self.proc = subprocess.Popen(
             [sys.executable, str(HOLDER), "--name", name, "--engine-id", engine_id,
-             "--seed", str(seed), "--blocks", str(BLOCKS), "--block-bytes", str(BLOCK_BYTES)],
+             "--seed", str(seed), "--blocks", str(blocks), "--block-bytes", str(BLOCK_BYTES)],
             stdout=subprocess.PIPE, stderr=self._log, env={**os.environ, **env}, text=True,
         )  # fmt: skip
         self._lines: queue.Queue[str] = queue.Queue()
@@ -72,6 +76,9 @@ class Holder:
         self._log.close()
 
 
+SpawnHolder = Callable[..., Holder]
+
+
 @dataclass
 class Link:
     """D's view of one connected holder: remote name, prepared lists, buffers."""
@@ -96,10 +103,18 @@ def connect(agent: NixlAgent, holder: Holder, local: np.ndarray | None = None) -
     geometry = msgspec.msgpack.decode(payload.geometry)
     remote_name = agent.add_remote(payload.agent_metadata)
     assert remote_name == payload.agent_name == holder.name
+    blocks = geometry["blocks"]
     if local is None:
-        local = np.zeros(BLOCKS * BLOCK_BYTES, dtype=np.uint8)
+        local = np.zeros(blocks * BLOCK_BYTES, dtype=np.uint8)
         agent.register_regions([(local.ctypes.data, local.nbytes)])
-    local_handle = agent.prep_local(block_descs(local.ctypes.data, BLOCKS, BLOCK_BYTES))
+    local_handle = agent.prep_local(block_descs(local.ctypes.data, blocks, BLOCK_BYTES))
     remote_descs = block_descs(geometry["base"], geometry["blocks"], geometry["block_bytes"])
     remote_handle = agent.prep_remote(remote_name, remote_descs)
     return Link(agent, local, local_handle, remote_name, remote_handle)
+
+
+def wait_done(agent: NixlAgent, transfer: Transfer, timeout: float = 5.0) -> None:
+    """Poll until DONE; fails the test after ``timeout`` seconds."""
+    end = time.monotonic() + timeout
+    while agent.poll(transfer) != "DONE":
+        assert time.monotonic() < end, f"transfer not done within {timeout} s"

@@ -188,8 +188,9 @@ class HandshakeServer:
         elif payload is None:
             message = f"engine {self.engine_id!r} has no payload for rank {request.tp_rank} (ranks {ranks})"
         else:
-            self._reply(conn, msgspec.structs.replace(payload, sent_time=time.time()), deadline)
-            self._count("served", peer, "")
+            reply = msgspec.structs.replace(payload, sent_time=time.time())
+            self._count("served", peer, "")  # before sending, so a client never sees a stale count
+            self._reply(conn, reply, deadline)
             return
         self._count("refused", peer, message)
         self._reply(conn, HandshakeError(message), deadline)
