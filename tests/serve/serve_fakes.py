@@ -1,0 +1,120 @@
+"""A scripted in-test engine and a character tokenizer, to test serving logic in isolation.
+
+The fake follows the engine contract (add_request / abort / step / has_unfinished /
+stats, one thread) and generates "abcd..." so outputs are predictable. Prompts
+steer it: "hang" never produces a token, "fail" finishes with an error, "crash"
+makes step() raise. The real engine is exercised by test_real_server.py.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class FakeSampling:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: Sequence[int] = ()
+
+
+@dataclass
+class FakeOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    kv_bytes: int | None = None
+
+
+@dataclass
+class _Running:
+    prompt: list[int]
+    sampling: FakeSampling
+    params: dict[str, Any] | None
+    produced: int = 0
+
+
+@dataclass
+class FakeEngine:
+    running: dict[str, _Running] = field(default_factory=dict)
+    aborted: list[str] = field(default_factory=list)
+    threads: set[int] = field(default_factory=set)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: Any,
+                    kv_transfer_params: dict[str, Any] | None = None) -> None:
+        self.threads.add(threading.get_ident())
+        if kv_transfer_params is not None and "do_remote_decode" not in kv_transfer_params \
+                and "do_remote_prefill" not in kv_transfer_params:
+            raise ValueError(f"kv_transfer_params has no known mode: {sorted(kv_transfer_params)}")
+        self.running[request_id] = _Running(list(prompt_token_ids), sampling, kv_transfer_params)
+
+    def abort(self, request_id: str) -> None:
+        self.threads.add(threading.get_ident())
+        self.aborted.append(request_id)
+        self.running.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running)
+
+    def step(self) -> list[FakeOutput]:
+        self.threads.add(threading.get_ident())
+        outputs = []
+        for request_id, req in list(self.running.items()):
+            text = "".join(chr(t) for t in req.prompt)
+            if "crash" in text:
+                raise RuntimeError("simulated engine crash")
+            if "hang" in text:
+                continue
+            if "fail" in text:
+                del self.running[request_id]
+                outputs.append(FakeOutput(request_id, [], True, "error", "simulated KV load failure"))
+                continue
+            token = ord("a") + req.produced % 26
+            req.produced += 1
+            out = FakeOutput(request_id, [token], kv_bytes=4096 if req.params else None)
+            remote_decode = bool(req.params and req.params.get("do_remote_decode"))
+            if req.produced >= req.sampling.max_tokens or remote_decode:
+                out.finished, out.finish_reason = True, "length"
+                if remote_decode:
+                    out.kv_transfer_params = {"do_remote_prefill": True, "remote_engine_id": "fake-p",
+                                              "remote_request_id": request_id, "remote_block_ids": [1, 2]}
+                del self.running[request_id]
+            outputs.append(out)
+        return outputs
+
+    def stats(self) -> dict[str, Any]:
+        return {"running": len(self.running), "waiting": 0, "free_blocks": {"0": 100}}
+
+
+class FakeIncrementalDecoder:
+    def push(self, token_id: int) -> str:
+        return chr(token_id)
+
+    def flush(self) -> str:
+        return ""
+
+
+class FakeTokenizer:
+    vocab_size = 256
+    eos_token_ids = frozenset({0})
+
+    def encode(self, text: str) -> list[int]:
+        return [min(ord(c), 255) for c in text]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return "".join(chr(i) for i in ids)
+
+    def incremental_decoder(self, skip_special_tokens: bool = True) -> FakeIncrementalDecoder:
+        return FakeIncrementalDecoder()
+
+    def apply_chat_template(self, messages: Sequence[dict[str, str]],
+                            add_generation_prompt: bool = True) -> str:
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"

@@ -1,0 +1,100 @@
+"""AsyncEngine: one engine thread, streamed outputs, aborts on cancel, deadlines, engine death."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+from serve_fakes import FakeEngine, FakeSampling
+
+from kvlink.serve.engine_loop import AsyncEngine, EngineDead, RequestTimeout
+
+
+def _ids(text: str) -> list[int]:
+    return [ord(c) for c in text]
+
+
+async def _collect(engine: AsyncEngine, request_id: str, prompt: str, max_tokens: int) -> list[int]:
+    tokens: list[int] = []
+    async for output in engine.generate(request_id, _ids(prompt), FakeSampling(max_tokens)):
+        tokens += output.new_token_ids
+    return tokens
+
+
+async def _wait_until(predicate, timeout_s: float = 2.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+def test_concurrent_requests_stream_and_engine_sees_one_thread(
+    async_engine: AsyncEngine, fake_engine: FakeEngine
+) -> None:
+    async def main() -> list[list[int]]:
+        return await asyncio.gather(*(_collect(async_engine, f"r{i}", "hi", 5) for i in range(4)))
+
+    results = asyncio.run(main())
+    assert results == [[ord(c) for c in "abcde"]] * 4
+    assert fake_engine.threads == {async_engine._thread.ident}
+    assert threading.get_ident() not in fake_engine.threads
+
+
+def test_add_request_error_reaches_the_caller(async_engine: AsyncEngine) -> None:
+    async def main() -> None:
+        agen = async_engine.generate("bad", _ids("x"), FakeSampling(3), {"bogus": 1})
+        with pytest.raises(ValueError, match="no known mode"):
+            await agen.__anext__()
+
+    asyncio.run(main())
+    assert async_engine.in_flight == 0
+
+
+def test_duplicate_request_id_is_refused(async_engine: AsyncEngine) -> None:
+    async def main() -> None:
+        first = async_engine.generate("dup", _ids("hang"), FakeSampling(3))
+        task = asyncio.ensure_future(first.__anext__())
+        await asyncio.sleep(0.1)
+        with pytest.raises(ValueError, match="already in flight"):
+            await async_engine.generate("dup", _ids("x"), FakeSampling(3)).__anext__()
+        task.cancel()
+
+    asyncio.run(main())
+
+
+def test_silent_request_times_out_and_is_aborted(
+    async_engine: AsyncEngine, fake_engine: FakeEngine
+) -> None:
+    async def main() -> None:
+        with pytest.raises(RequestTimeout, match="no output for 1s"):
+            await _collect(async_engine, "slow", "hang", 3)
+        await _wait_until(lambda: "slow" in fake_engine.aborted)
+
+    asyncio.run(main())
+    assert not fake_engine.running
+
+
+def test_cancelled_caller_aborts_the_request(
+    async_engine: AsyncEngine, fake_engine: FakeEngine
+) -> None:
+    async def main() -> None:
+        task = asyncio.ensure_future(_collect(async_engine, "gone", "hang", 3))
+        await _wait_until(lambda: "gone" in fake_engine.running)
+        task.cancel()
+        await _wait_until(lambda: "gone" in fake_engine.aborted)
+
+    asyncio.run(main())
+    assert async_engine.in_flight == 0
+
+
+def test_engine_crash_fails_waiters_and_later_calls(async_engine: AsyncEngine) -> None:
+    async def main() -> None:
+        with pytest.raises(EngineDead, match="simulated engine crash"):
+            await _collect(async_engine, "boom", "crash", 3)
+        with pytest.raises(EngineDead):
+            await async_engine.stats()
+
+    asyncio.run(main())
+    assert not async_engine.alive
