@@ -1,0 +1,163 @@
+"""The OpenAI-compatible HTTP app of one instance (P, D or both) over an `AsyncEngine`."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from kvlink.serve.engine_loop import AsyncEngine, EngineDead, RequestTimeout
+from kvlink.serve.errors import APIError, error_body, install_error_handlers
+from kvlink.serve.generation import GenerationFailed, Piece, Summary, generate_pieces
+from kvlink.serve.metrics import MetricsRegistry, render_stats_gauges
+from kvlink.serve.prompts import chat_prompt_ids, completion_prompt_ids, token_budget
+from kvlink.serve.protocol import ChatCompletionRequest, CompletionRequest
+from kvlink.serve.responses import ResponseShape, sse
+
+SamplingFactory = Callable[..., Any]
+_STATS_TIMEOUT_S = 5.0
+
+
+def engine_sampling_params() -> SamplingFactory:
+    from kvlink.engine.engine import SamplingParams
+
+    return SamplingParams  # type: ignore[no-any-return]
+
+
+def _as_api_error(error: Exception) -> APIError:
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, ValueError):  # add_request refused the input (incl. kv_transfer_params)
+        return APIError(400, str(error), "invalid_value")
+    if isinstance(error, RequestTimeout):
+        return APIError(504, str(error), "timeout")
+    if isinstance(error, EngineDead):
+        return APIError(503, str(error), "engine_dead")
+    if isinstance(error, GenerationFailed):
+        return APIError(500, f"generation failed: {error}", "generation_failed")
+    return APIError(500, f"internal error: {error!r}", "internal_error")
+
+
+def build_app(
+    engine: AsyncEngine, tokenizer: Any, model_name: str, role: str, metrics: MetricsRegistry,
+    *, max_model_len: int, sampling_factory: SamplingFactory | None = None,
+) -> FastAPI:
+    """`/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`, `/metrics`, `/debug/state`."""
+    app = FastAPI(title=f"kvlink {role} instance", docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+    metrics.gauges.setdefault("requests_in_flight", lambda: float(engine.in_flight))
+    make_sampling = sampling_factory
+
+    def sampling_for(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> Any:
+        nonlocal make_sampling
+        if make_sampling is None:
+            make_sampling = engine_sampling_params()
+        return make_sampling(
+            max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+            seed=body.seed, stop_token_ids=sorted(tokenizer.eos_token_ids),
+        )
+
+    async def serve(
+        raw: Request, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
+        requested_max_tokens: int | None,
+    ) -> Response:
+        max_tokens = token_budget(len(prompt_ids), requested_max_tokens, max_model_len)
+        request_id = raw.headers.get("x-request-id") or uuid.uuid4().hex
+        kind = "chat" if isinstance(body, ChatCompletionRequest) else "completion"
+        shape = ResponseShape(kind, request_id, model_name)
+        summary = Summary(request_id, role, prompt_tokens=len(prompt_ids))
+        pieces = generate_pieces(
+            engine, tokenizer, metrics, summary, prompt_ids, sampling_for(body, max_tokens),
+            body.stop_strings, body.kv_transfer_params,
+        )
+        try:
+            # The first piece is awaited before answering, so refusals and failures that
+            # happen before any token (bad params, failed KV load) get a real HTTP status.
+            first = await pieces.__anext__()
+        except Exception as error:
+            await pieces.aclose()
+            raise _as_api_error(error) from error
+        if body.stream:
+            events = _stream(shape, first, pieces, summary, body.include_usage_in_stream)
+            return StreamingResponse(events, media_type="text/event-stream")
+        texts = [first.text]
+        last = first
+        try:
+            while last.finish_reason is None:
+                last = await pieces.__anext__()
+                texts.append(last.text)
+        except Exception as error:
+            raise _as_api_error(error) from error
+        finally:
+            await pieces.aclose()
+        return JSONResponse(shape.full(
+            "".join(texts), last.finish_reason, summary.prompt_tokens, summary.output_tokens,
+            last.kv_transfer_params,
+        ))
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request, body: CompletionRequest) -> Response:
+        return await serve(raw, body, completion_prompt_ids(body, tokenizer), body.max_tokens)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: Request, body: ChatCompletionRequest) -> Response:
+        prompt_ids = chat_prompt_ids(body, tokenizer)
+        return await serve(raw, body, prompt_ids, body.requested_max_tokens)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": model_name, "object": "model", "owned_by": "kvlink",
+                "max_model_len": max_model_len, "role": role}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.alive:
+            return JSONResponse(error_body(503, engine.dead_reason or "engine not running"), 503)
+        return JSONResponse({"status": "ok", "role": role, "model": model_name})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        text = metrics.render()
+        try:
+            stats = await asyncio.wait_for(engine.stats(), _STATS_TIMEOUT_S)
+            text += render_stats_gauges(f"{metrics.prefix}_engine", stats)
+        except Exception:  # metrics must render even while the engine is busy or gone
+            pass
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    @app.get("/debug/state")
+    async def debug_state() -> dict[str, Any]:
+        try:
+            stats = await asyncio.wait_for(engine.stats(), _STATS_TIMEOUT_S)
+        except Exception as error:
+            raise _as_api_error(error) from error
+        return {"role": role, "in_flight": engine.in_flight, "engine": stats}
+
+    return app
+
+
+async def _stream(
+    shape: ResponseShape, first: Piece, pieces: AsyncGenerator[Piece, None], summary: Summary,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    """SSE events; an error after the first token is sent as an error event, then [DONE]."""
+    piece = first
+    try:
+        yield sse(shape.chunk(piece.text, piece.finish_reason, first=True,
+                              kv_transfer_params=piece.kv_transfer_params))
+        async for piece in pieces:
+            yield sse(shape.chunk(piece.text, piece.finish_reason,
+                                  kv_transfer_params=piece.kv_transfer_params))
+        if include_usage:
+            yield sse(shape.usage_chunk(summary.prompt_tokens, summary.output_tokens))
+    except Exception as error:
+        api_error = _as_api_error(error)
+        yield sse(error_body(api_error.status, api_error.message, api_error.code))
+    finally:
+        await pieces.aclose()
+    yield sse("[DONE]")

@@ -1,0 +1,68 @@
+"""OpenAI-style error bodies, `{"error": {"message", "type", "param", "code"}}`, and their handlers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    422: "invalid_request_error",
+    502: "upstream_error",
+    503: "service_unavailable",
+    504: "timeout_error",
+}
+
+
+class APIError(Exception):
+    """An error to send to the client as it is: HTTP status plus a message saying what to do."""
+
+    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+
+
+def error_body(status: int, message: str, code: str | None = None) -> dict[str, Any]:
+    kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+def error_response(status: int, message: str, code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, code), status_code=status)
+
+
+def _describe_validation(error: RequestValidationError) -> str:
+    parts = []
+    for item in error.errors():
+        where = ".".join(str(piece) for piece in item.get("loc", ()) if piece != "body")
+        message = str(item.get("msg", "invalid value")).removeprefix("Value error, ")
+        parts.append(f"{where}: {message}" if where else message)
+    return "invalid request: " + "; ".join(parts)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error leaves the app as an OpenAI-style body, including FastAPI's own 404/422."""
+
+    async def on_api_error(request: Request, error: Exception) -> JSONResponse:
+        assert isinstance(error, APIError)
+        return error_response(error.status, error.message, error.code)
+
+    async def on_validation(request: Request, error: Exception) -> JSONResponse:
+        assert isinstance(error, RequestValidationError)
+        return error_response(400, _describe_validation(error), "invalid_value")
+
+    async def on_http(request: Request, error: Exception) -> JSONResponse:
+        assert isinstance(error, StarletteHTTPException)
+        return error_response(error.status_code, str(error.detail))
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
