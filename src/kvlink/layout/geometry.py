@@ -1,0 +1,232 @@
+"""Byte geometry of one worker's KV memory: one region per layer tensor, cut into pages.
+
+Computed once at registration and frozen. `to_wire()` / `from_wire()` carry it to
+the peer, which rebuilds the same object and plans against it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from kvlink.layout.spec import GDN, MLA, Mamba2, ModelSpec, ShardedPart, is_ssm
+from kvlink.layout.tensors import TensorSpec, check_block_sizes, kv_tensor_specs, ssm_page_slices
+
+RegionKind = Literal["attention", "mla", "ssm"]
+WIRE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class SubPart:
+    """One sharded piece of an SSM page on this worker, in bytes from the page start."""
+
+    name: str
+    offset: int
+    length: int
+    unit_bytes: int
+    part: ShardedPart
+
+
+@dataclass(frozen=True)
+class Region:
+    """One layer tensor: `num_pages` pages of `page_len` bytes, `page_stride` apart.
+
+    Attention and MLA pages are `[units, kernel_block_size, token_bytes]` (units = KV heads
+    on this rank, or 1 for MLA), indexed by kernel block. SSM pages are indexed by logical
+    block and made of `sub_parts` (conv parts, then the temporal state).
+    """
+
+    layer: int
+    group: int
+    kind: RegionKind
+    base: int
+    page_len: int
+    page_stride: int
+    num_pages: int
+    units: int = 1
+    token_bytes: int = 0
+    sub_parts: tuple[SubPart, ...] = ()
+
+    @property
+    def end(self) -> int:
+        return self.base + self.num_pages * self.page_stride
+
+    @property
+    def unit_bytes(self) -> int:
+        """Bytes of one head (or the MLA latent) in one attention page."""
+        return self.page_len // self.units
+
+
+@dataclass(frozen=True)
+class WorkerGeometry:
+    """Everything a peer needs to address this worker's KV memory; built by `build_worker_geometry`."""
+
+    model: ModelSpec
+    tp_size: int
+    tp_rank: int
+    block_size: int
+    kernel_block_size: int
+    num_blocks: int
+    device_id: int
+    regions: tuple[Region, ...]
+
+    @property
+    def physical_per_logical(self) -> int:
+        return self.block_size // self.kernel_block_size
+
+    @property
+    def kernel_blocks(self) -> int:
+        return self.num_blocks * self.physical_per_logical
+
+    @property
+    def attention_regions(self) -> tuple[Region, ...]:
+        """Attention and MLA regions in layer order: the first part of every descriptor list."""
+        return tuple(r for r in self.regions if r.kind != "ssm")
+
+    @property
+    def ssm_regions(self) -> tuple[Region, ...]:
+        return tuple(r for r in self.regions if r.kind == "ssm")
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain ints, strs, lists and dicts; `from_wire` rebuilds an equal geometry."""
+        return {
+            "version": WIRE_VERSION,
+            "model": self.model.to_dict(),
+            "compat_hash": self.model.compat_hash(),
+            "tp_size": self.tp_size,
+            "tp_rank": self.tp_rank,
+            "block_size": self.block_size,
+            "kernel_block_size": self.kernel_block_size,
+            "num_blocks": self.num_blocks,
+            "device_id": self.device_id,
+            "base_addrs": [r.base for r in self.regions],
+        }
+
+    @classmethod
+    def from_wire(cls, wire: Mapping[str, Any]) -> WorkerGeometry:
+        """Rebuild a peer's geometry; raises ValueError naming what is malformed."""
+        if wire.get("version") != WIRE_VERSION:
+            raise ValueError(f"geometry wire version {wire.get('version')!r}, expected {WIRE_VERSION}")
+        try:
+            model = ModelSpec.from_dict(dict(wire["model"]))
+            ints = {k: wire[k] for k in ("tp_size", "tp_rank", "block_size", "kernel_block_size",
+                                         "num_blocks", "device_id")}
+            bases = list(wire["base_addrs"])
+            claimed_hash = wire["compat_hash"]
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"malformed geometry wire: missing or bad field {exc}") from exc
+        bad = [k for k, v in ints.items() if type(v) is not int]
+        bad += ["base_addrs"] if any(type(b) is not int for b in bases) else []
+        if bad:
+            raise ValueError(f"malformed geometry wire: fields {bad} must be integers")
+        if claimed_hash != model.compat_hash():
+            raise ValueError("geometry wire compat_hash does not match its model spec")
+        return build_worker_geometry(
+            model, ints["tp_size"], ints["tp_rank"], ints["block_size"], ints["kernel_block_size"],
+            ints["num_blocks"], bases, device_id=ints["device_id"],
+        )
+
+
+def ssm_sub_parts(group: Mamba2 | GDN, tp_size: int, dtype_bytes: int) -> tuple[SubPart, ...]:
+    """Byte offsets and lengths of an SSM page's parts (conv x|B|C or Q|K|V, then state)."""
+    parts = (*group.conv_parts(), group.state_part())
+    return tuple(
+        SubPart(
+            name=part.name,
+            offset=page_slice.offset * dtype_bytes,
+            length=page_slice.numel * dtype_bytes,
+            unit_bytes=part.unit_elems * dtype_bytes,
+            part=part,
+        )
+        for part, page_slice in zip(parts, ssm_page_slices(group, tp_size), strict=True)
+    )
+
+
+def remote_sub_part_slice(sub_part: SubPart, first_unit_slot: int, count: int) -> tuple[int, int]:
+    """(offset, length) in bytes of `count` units starting at slot `first_unit_slot` of a part.
+
+    Use with the sub-parts of a peer's geometry (its own TP size) to find where a
+    head-sharded piece of its SSM page lies.
+    """
+    if first_unit_slot < 0 or (first_unit_slot + count) * sub_part.unit_bytes > sub_part.length:
+        raise ValueError(
+            f"units [{first_unit_slot}, {first_unit_slot + count}) outside part {sub_part.name!r} "
+            f"of {sub_part.length // sub_part.unit_bytes} units"
+        )
+    return sub_part.offset + first_unit_slot * sub_part.unit_bytes, count * sub_part.unit_bytes
+
+
+def _region_for(spec: TensorSpec, model: ModelSpec, tp_size: int, base: int) -> Region:
+    dtype_bytes = model.dtype_bytes
+    page_elems = 1
+    for dim in spec.shape[1:]:
+        page_elems *= dim
+    page_len = page_elems * dtype_bytes
+    num_pages = spec.shape[0]
+    group = model.groups[spec.group]
+    if spec.kind == "ssm":
+        assert is_ssm(group) and isinstance(group, (Mamba2, GDN))
+        parts = ssm_sub_parts(group, tp_size, dtype_bytes)
+        return Region(spec.layer, spec.group, "ssm", base, page_len, page_len, num_pages, sub_parts=parts)
+    if spec.kind == "mla":
+        assert isinstance(group, MLA)
+        return Region(spec.layer, spec.group, "mla", base, page_len, page_len, num_pages,
+                      units=1, token_bytes=group.latent_dim * dtype_bytes)
+    heads = spec.shape[1]
+    return Region(spec.layer, spec.group, "attention", base, page_len, page_len, num_pages,
+                  units=heads, token_bytes=2 * model.head_dim * dtype_bytes)
+
+
+def build_worker_geometry(
+    model: ModelSpec,
+    tp_size: int,
+    tp_rank: int,
+    block_size: int,
+    kernel_block_size: int,
+    num_blocks: int,
+    base_addrs: Sequence[int],
+    device_id: int = 0,
+) -> WorkerGeometry:
+    """The geometry of the tensors `kv_tensor_specs` describes, placed at `base_addrs` (one per layer)."""
+    check_block_sizes(block_size, kernel_block_size)
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank {tp_rank} outside [0, {tp_size})")
+    if num_blocks <= 0:
+        raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+    if len(base_addrs) != model.num_layers:
+        raise ValueError(f"expected {model.num_layers} base addresses (one per layer), got {len(base_addrs)}")
+    specs = kv_tensor_specs(model, tp_size, block_size, kernel_block_size, num_blocks)
+    regions = tuple(_region_for(s, model, tp_size, int(b)) for s, b in zip(specs, base_addrs, strict=True))
+    _check_no_overlap(regions)
+    return WorkerGeometry(model, tp_size, tp_rank, block_size, kernel_block_size, num_blocks,
+                          device_id, regions)
+
+
+def _check_no_overlap(regions: Sequence[Region]) -> None:
+    ordered = sorted(regions, key=lambda r: r.base)
+    if ordered and ordered[0].base < 0:
+        raise ValueError(f"negative base address {ordered[0].base} for layer {ordered[0].layer}")
+    for prev, cur in itertools.pairwise(ordered):
+        if cur.base < prev.end:
+            raise ValueError(
+                f"layer {cur.layer} tensor at {cur.base:#x} overlaps layer {prev.layer} "
+                f"[{prev.base:#x}, {prev.end:#x})"
+            )
+
+
+def packed_base_addrs(
+    model: ModelSpec, tp_size: int, block_size: int, kernel_block_size: int, num_blocks: int,
+    start: int, align: int = 4096,
+) -> list[int]:
+    """Deterministic base addresses that pack a worker's tensors back to back (for tools and tests)."""
+    addrs = []
+    cursor = start
+    for spec in kv_tensor_specs(model, tp_size, block_size, kernel_block_size, num_blocks):
+        addrs.append(cursor)
+        size = model.dtype_bytes
+        for dim in spec.shape:
+            size *= dim
+        cursor += -(-size // align) * align
+    return addrs

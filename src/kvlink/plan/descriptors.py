@@ -1,0 +1,79 @@
+"""Prepared descriptor lists and descriptor-id arithmetic, vectorized over numpy.
+
+A prepared list is an Nx3 uint64 array of `(addr, len, device)`. Attention
+descriptors come first, region-major (`r * N * S + b * S + piece`, S pieces per
+kernel block, N kernel blocks per region on that side), then SSM descriptors
+(`R_fa * N * S + s * L + b`, s over SSM sub-part pieces, L logical blocks). With
+one piece per block this is the seed formula `r * N + b` / `R_fa * N + s * L + b`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+IntArray = npt.NDArray[np.int64]
+DescArray = npt.NDArray[np.uint64]
+
+
+def descriptor_ids(region_starts: IntArray, block_offsets: IntArray) -> IntArray:
+    """Region-major ids: for each region start, every block offset (in the given order)."""
+    return (region_starts[:, None] + block_offsets[None, :]).reshape(-1)
+
+
+def desc_ids_attention(block_ids: Sequence[int] | IntArray, num_regions: int, blocks_per_region: int) -> IntArray:
+    """Ids of kernel blocks `block_ids` in every attention region: `r * N + b`, region-major."""
+    starts = np.arange(num_regions, dtype=np.int64) * blocks_per_region
+    return descriptor_ids(starts, np.asarray(block_ids, dtype=np.int64))
+
+
+def desc_ids_hybrid(
+    fa_kernel_ids: Sequence[int] | IntArray,
+    ssm_logical_ids: Sequence[int] | IntArray,
+    num_fa_regions: int,
+    num_ssm_regions: int,
+    kernel_blocks_per_region: int,
+    logical_blocks: int,
+) -> IntArray:
+    """Attention ids `r * N + b`, then SSM ids `R_fa * N + s * L + b` (s over SSM sub-part regions)."""
+    attention = desc_ids_attention(fa_kernel_ids, num_fa_regions, kernel_blocks_per_region)
+    ssm_starts = (num_fa_regions * kernel_blocks_per_region
+                  + np.arange(num_ssm_regions, dtype=np.int64) * logical_blocks)
+    ssm = descriptor_ids(ssm_starts, np.asarray(ssm_logical_ids, dtype=np.int64))
+    return np.concatenate([attention, ssm])
+
+
+def page_descs(
+    base: int, page_stride: int, num_pages: int,
+    offsets: Sequence[int] | IntArray, lengths: Sequence[int] | IntArray, device_id: int,
+) -> DescArray:
+    """Descriptors for pieces (`offsets`, `lengths` within a page) of every page, page-major."""
+    offs = np.asarray(offsets, dtype=np.uint64)
+    lens = np.asarray(lengths, dtype=np.uint64)
+    pages = np.arange(num_pages, dtype=np.uint64) * np.uint64(page_stride) + np.uint64(base)
+    descs = np.empty((num_pages, offs.size, 3), dtype=np.uint64)
+    descs[:, :, 0] = pages[:, None] + offs[None, :]
+    descs[:, :, 1] = lens[None, :]
+    descs[:, :, 2] = device_id
+    return descs.reshape(-1, 3)
+
+
+def count_merged(local_descs: DescArray, remote_descs: DescArray) -> int:
+    """Descriptors left after merging neighbours that are contiguous on both sides.
+
+    Pass the descriptors in posting order, e.g. `local_list[spec.local_idx]`.
+    """
+    if local_descs.shape != remote_descs.shape:
+        raise ValueError(f"descriptor arrays differ in shape: {local_descs.shape} vs {remote_descs.shape}")
+    if len(local_descs) == 0:
+        return 0
+
+    def continues(descs: DescArray) -> npt.NDArray[np.bool_]:
+        joined: npt.NDArray[np.bool_] = (descs[:-1, 0] + descs[:-1, 1] == descs[1:, 0]) & (
+            descs[:-1, 2] == descs[1:, 2])
+        return joined
+
+    joins = continues(local_descs) & continues(remote_descs)
+    return int(len(local_descs) - np.count_nonzero(joins))

@@ -1,0 +1,191 @@
+"""Per-request planning: block ids of both sides → descriptor index arrays, fully vectorized.
+
+Token t of the request lives on P at kernel block `kernel(p_ids[t // bs_P])` offset
+`t % kbs_P` and on D at `kernel(d_ids[(t - computed) // bs_D])` offset `t % kbs_D`,
+each side with its own physical-per-logical. Attention moves token chunks of
+`gcd(kbs_P, kbs_D)` tokens, so any block-size ratio and any D prefix hit work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvlink.layout.spec import SlidingWindow, is_ssm
+from kvlink.plan.descriptors import IntArray, descriptor_ids
+
+if TYPE_CHECKING:
+    from kvlink.plan.transfer_plan import AttentionSegment, SourcePlan, TransferPlan
+
+
+@dataclass(frozen=True, eq=False)
+class ReadSpec:
+    """One transfer from `src_rank`: post `local_descs[local_idx]` ↔ `remote_descs[remote_idx]`.
+
+    `local_blocks[g]` are the reader's logical blocks of group g this transfer writes
+    into: mark exactly those invalid if it fails.
+    """
+
+    src_rank: int
+    local_idx: IntArray
+    remote_idx: IntArray
+    nbytes: int
+    local_blocks: tuple[IntArray, ...]
+
+
+@dataclass(frozen=True)
+class _ChunkPositions:
+    """Where each moved token chunk of one group sits: kernel block and chunk-in-block per side."""
+
+    local_kernel: IntArray
+    local_chunk: IntArray
+    remote_kernel: IntArray
+    remote_chunk: IntArray
+    touched: IntArray
+
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+def first_token_to_ship(plan: TransferPlan, group_index: int, num_tokens: int, computed: int) -> int:
+    """First token of a group that must move: after D's prefix hit, and for a sliding window
+    group no earlier than the window before the next position (rounded down to a chunk)."""
+    group = plan.local.model.groups[group_index]
+    if isinstance(group, SlidingWindow):
+        window_start = max(0, num_tokens - group.window) // plan.chunk_tokens * plan.chunk_tokens
+        return max(computed, window_start)
+    return computed
+
+
+def _check_range(ids: IntArray, num_blocks: int, side: str, group: int) -> None:
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+        raise ValueError(f"{side} block ids of group {group} must lie in [0, {num_blocks}); "
+                         f"got range [{int(ids.min())}, {int(ids.max())}]")
+
+
+def _lookup(ids: IntArray, positions: IntArray, side: str, group: int, needed_tokens: str) -> IntArray:
+    if positions.size and int(positions[-1]) >= ids.size:
+        raise ValueError(f"{side} block list of group {group} has {ids.size} blocks but tokens "
+                         f"{needed_tokens} need {int(positions[-1]) + 1}")
+    return ids[positions]
+
+
+def _chunk_positions(
+    plan: TransferPlan, group: int, local_ids: IntArray, remote_ids: IntArray, start: int, end: int,
+    computed: int,
+) -> _ChunkPositions:
+    c = plan.chunk_tokens
+    tokens = np.arange(start // c, -(-end // c), dtype=np.int64) * c
+    span = f"[{start}, {end})"
+    local = plan.local
+    local_block = (tokens - computed) // local.block_size
+    local_logical = _lookup(local_ids, local_block, "local", group, span)
+    remote_logical = _lookup(remote_ids, tokens // plan.remote_block_size, "remote", group, span)
+    _check_range(local_logical, local.num_blocks, "local", group)
+    _check_range(remote_logical, plan.remote_num_blocks, "remote", group)
+    local_in_logical = tokens % local.block_size
+    remote_in_logical = tokens % plan.remote_block_size
+    remote_ppl = plan.remote_block_size // plan.remote_kernel_block_size
+    return _ChunkPositions(
+        local_kernel=local_logical * local.physical_per_logical + local_in_logical // local.kernel_block_size,
+        local_chunk=(local_in_logical % local.kernel_block_size) // c,
+        remote_kernel=remote_logical * remote_ppl + remote_in_logical // plan.remote_kernel_block_size,
+        remote_chunk=(remote_in_logical % plan.remote_kernel_block_size) // c,
+        touched=local_ids[int(local_block[0]):int(local_block[-1]) + 1] if tokens.size else _EMPTY,
+    )
+
+
+def _segment_ids(seg: AttentionSegment, pos: _ChunkPositions) -> tuple[IntArray, IntArray]:
+    local_offsets = pos.local_kernel * seg.local_block_span + pos.local_chunk * seg.pieces
+    remote_offsets = pos.remote_kernel * seg.remote_block_span + pos.remote_chunk * seg.pieces
+    if seg.pieces > 1:
+        piece = np.arange(seg.pieces, dtype=np.int64)
+        local_offsets = (local_offsets[:, None] + piece[None, :]).reshape(-1)
+        remote_offsets = (remote_offsets[:, None] + piece[None, :]).reshape(-1)
+    return (descriptor_ids(seg.local_region_starts, local_offsets),
+            descriptor_ids(seg.remote_region_starts, remote_offsets))
+
+
+def request_ids(
+    plan: TransferPlan,
+    local_block_ids: Sequence[Sequence[int] | IntArray],
+    remote_block_ids: Sequence[Sequence[int] | IntArray],
+    num_tokens_to_ship: int,
+    local_computed_tokens: int = 0,
+) -> list[ReadSpec]:
+    """Descriptor indices for one request, one ReadSpec per source rank of the plan.
+
+    `local_block_ids[g]`: the reader's logical blocks of group g from token
+    `local_computed_tokens` on (its newly allocated tail). `remote_block_ids[g]`: the
+    source's full logical list from token 0. `num_tokens_to_ship` = prompt length - 1.
+    SSM groups move only the state in the last block of each list.
+    """
+    model = plan.local.model
+    num_groups = len(model.groups)
+    if len(local_block_ids) != num_groups or len(remote_block_ids) != num_groups:
+        raise ValueError(f"expected block ids for {num_groups} groups, got {len(local_block_ids)} "
+                         f"local and {len(remote_block_ids)} remote")
+    if local_computed_tokens < 0 or local_computed_tokens % plan.local.block_size:
+        raise ValueError(f"local_computed_tokens {local_computed_tokens} must be a non-negative "
+                         f"multiple of the local block size {plan.local.block_size}")
+    if num_tokens_to_ship < 0:
+        raise ValueError(f"num_tokens_to_ship must be non-negative, got {num_tokens_to_ship}")
+    local_ids = [np.asarray(ids, dtype=np.int64) for ids in local_block_ids]
+    remote_ids = [np.asarray(ids, dtype=np.int64) for ids in remote_block_ids]
+    positions: dict[int, _ChunkPositions] = {}
+    state_blocks: dict[int, tuple[int, int]] = {}
+    for g, group in enumerate(model.groups):
+        if is_ssm(group):
+            if num_tokens_to_ship > local_computed_tokens:
+                state_blocks[g] = _state_blocks(plan, g, local_ids[g], remote_ids[g])
+            continue
+        start = first_token_to_ship(plan, g, num_tokens_to_ship, local_computed_tokens)
+        if start < num_tokens_to_ship:
+            positions[g] = _chunk_positions(plan, g, local_ids[g], remote_ids[g], start,
+                                            num_tokens_to_ship, local_computed_tokens)
+    return [_source_read(source, positions, state_blocks, num_groups) for source in plan.sources]
+
+
+def _state_blocks(plan: TransferPlan, g: int, local_ids: IntArray, remote_ids: IntArray) -> tuple[int, int]:
+    if not local_ids.size or not remote_ids.size:
+        raise ValueError(f"SSM group {g} needs a state block on both sides; got {local_ids.size} "
+                         f"local and {remote_ids.size} remote")
+    local_block, remote_block = local_ids[-1:], remote_ids[-1:]
+    _check_range(local_block, plan.local.num_blocks, "local", g)
+    _check_range(remote_block, plan.remote_num_blocks, "remote", g)
+    return int(local_block[0]), int(remote_block[0])
+
+
+def _source_read(source: SourcePlan, positions: dict[int, _ChunkPositions],
+                 state_blocks: dict[int, tuple[int, int]], num_groups: int) -> ReadSpec:
+    local_parts: list[IntArray] = []
+    remote_parts: list[IntArray] = []
+    touched: list[IntArray] = [_EMPTY] * num_groups
+    nbytes = 0
+    for seg in source.attention:
+        pos = positions.get(seg.group)
+        if pos is None:
+            continue
+        local_idx, remote_idx = _segment_ids(seg, pos)
+        local_parts.append(local_idx)
+        remote_parts.append(remote_idx)
+        touched[seg.group] = pos.touched
+        nbytes += seg.chunk_bytes * pos.local_kernel.size
+    for ssm in source.ssm:
+        if ssm.group not in state_blocks:
+            continue
+        local_block, remote_block = state_blocks[ssm.group]
+        local_parts.append(ssm.local_starts + local_block)
+        remote_parts.append(ssm.remote_starts + remote_block)
+        touched[ssm.group] = np.array([local_block], dtype=np.int64)
+        nbytes += ssm.block_bytes
+    return ReadSpec(
+        src_rank=source.src_rank,
+        local_idx=np.concatenate(local_parts) if local_parts else _EMPTY,
+        remote_idx=np.concatenate(remote_parts) if remote_parts else _EMPTY,
+        nbytes=nbytes,
+        local_blocks=tuple(touched),
+    )

@@ -1,0 +1,222 @@
+"""The prepared plan of one reader (D) worker against one source (P) engine, built once.
+
+For every source rank it holds a local and a remote descriptor list in the same
+id scheme; a request then only computes integer index arrays (`request_ids`).
+The unit of attention movement is (region, kernel block, token chunk, piece) with
+chunk = gcd of both kernel block sizes: one piece per contiguous head run when
+both sides' kernel blocks are equal, one piece per head otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from math import gcd
+
+import numpy as np
+
+from kvlink.layout.geometry import Region, WorkerGeometry, remote_sub_part_slice
+from kvlink.plan.compat import IncompatibleLayout, check_compatible
+from kvlink.plan.descriptors import DescArray, IntArray, page_descs
+from kvlink.plan.request import ReadSpec, request_ids
+from kvlink.plan.tp_mapping import TPMapping, UnitRun, compute_tp_mapping
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionSegment:
+    """The regions of one attention or MLA group that one source rank supplies."""
+
+    group: int
+    local_region_starts: IntArray
+    remote_region_starts: IntArray
+    pieces: int
+    local_block_span: int
+    remote_block_span: int
+    chunk_bytes: int
+
+
+@dataclass(frozen=True, eq=False)
+class SsmSegment:
+    """The SSM sub-part pieces of one SSM group that one source rank supplies."""
+
+    group: int
+    local_starts: IntArray
+    remote_starts: IntArray
+    block_bytes: int
+
+
+@dataclass(frozen=True, eq=False)
+class SourcePlan:
+    """Paired descriptor lists for one source rank: `local_descs[i]` ↔ `remote_descs[j]`."""
+
+    src_rank: int
+    local_descs: DescArray
+    remote_descs: DescArray
+    attention: tuple[AttentionSegment, ...]
+    ssm: tuple[SsmSegment, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class TransferPlan:
+    """Built once per (reader worker, source engine) by `build_transfer_plan`."""
+
+    local: WorkerGeometry
+    remote_tp: int
+    remote_block_size: int
+    remote_kernel_block_size: int
+    remote_num_blocks: int
+    chunk_tokens: int
+    mapping: TPMapping
+    sources: tuple[SourcePlan, ...]
+
+    def source(self, src_rank: int) -> SourcePlan:
+        for plan in self.sources:
+            if plan.src_rank == src_rank:
+                return plan
+        raise KeyError(f"source rank {src_rank} not in this plan (has {[s.src_rank for s in self.sources]})")
+
+    def request_ids(
+        self,
+        local_block_ids: Sequence[Sequence[int] | IntArray],
+        remote_block_ids: Sequence[Sequence[int] | IntArray],
+        num_tokens_to_ship: int,
+        local_computed_tokens: int = 0,
+    ) -> list[ReadSpec]:
+        """One ReadSpec per source rank; see `kvlink.plan.request.request_ids`."""
+        return request_ids(self, local_block_ids, remote_block_ids, num_tokens_to_ship,
+                           local_computed_tokens)
+
+
+@dataclass
+class _ListBuilder:
+    """Accumulates one side's descriptor list and hands out region start ids."""
+
+    device_id: int
+    chunks: list[DescArray]
+    size: int = 0
+
+    def add(self, region: Region, num_pages: int, offsets: IntArray, lengths: IntArray) -> int:
+        start = self.size
+        descs = page_descs(region.base, region.page_stride, num_pages, offsets, lengths, self.device_id)
+        self.chunks.append(descs)
+        self.size += len(descs)
+        return start
+
+    def array(self) -> DescArray:
+        if not self.chunks:
+            return np.zeros((0, 3), dtype=np.uint64)
+        return np.concatenate(self.chunks)
+
+
+def _attention_pieces(
+    runs: Sequence[UnitRun], local_reg: Region, remote_reg: Region, chunk: int, whole_blocks: bool,
+) -> tuple[IntArray, IntArray, IntArray]:
+    """(local offsets, remote offsets, lengths) of the pieces of token chunk 0 of a page."""
+    if whole_blocks:
+        rows = [(r.local_slot * local_reg.unit_bytes, r.remote_slot * remote_reg.unit_bytes,
+                 r.count * local_reg.unit_bytes) for r in runs]
+    else:
+        rows = [((r.local_slot + j) * local_reg.unit_bytes, (r.remote_slot + j) * remote_reg.unit_bytes,
+                 chunk * local_reg.token_bytes) for r in runs for j in range(r.count)]
+    table = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
+    return table[:, 0], table[:, 1], table[:, 2]
+
+
+def _chunk_offsets(piece_offsets: IntArray, chunks_per_block: int, chunk_stride: int) -> IntArray:
+    return (np.arange(chunks_per_block, dtype=np.int64)[:, None] * chunk_stride
+            + piece_offsets[None, :]).reshape(-1)
+
+
+def _build_source(plan_args: _PlanArgs, src: int) -> SourcePlan:
+    local, remote, mapping, chunk = plan_args.local, plan_args.remotes[src], plan_args.mapping, plan_args.chunk
+    whole = local.kernel_block_size == remote.kernel_block_size
+    local_list, remote_list = _ListBuilder(local.device_id, []), _ListBuilder(remote.device_id, [])
+    att: dict[int, list[tuple[int, int, int, int]]] = {}
+    for local_reg, remote_reg in zip(local.attention_regions, remote.attention_regions, strict=True):
+        key = "kv" if local_reg.kind == "attention" else f"g{local_reg.group}.latent"
+        runs = mapping.runs_from(key, src)
+        if not runs:
+            continue
+        l_off, r_off, lens = _attention_pieces(runs, local_reg, remote_reg, chunk, whole)
+        stride = chunk * local_reg.token_bytes
+        l_chunks, r_chunks = local.kernel_block_size // chunk, remote.kernel_block_size // chunk
+        l_start = local_list.add(local_reg, local_reg.num_pages, _chunk_offsets(l_off, l_chunks, stride),
+                                 np.tile(lens, l_chunks))
+        r_start = remote_list.add(remote_reg, remote_reg.num_pages, _chunk_offsets(r_off, r_chunks, stride),
+                                  np.tile(lens, r_chunks))
+        att.setdefault(local_reg.group, []).append((l_start, r_start, len(lens), int(lens.sum())))
+    ssm: dict[int, list[tuple[int, int, int]]] = {}
+    for local_reg, remote_reg in zip(local.ssm_regions, remote.ssm_regions, strict=True):
+        for l_sub, r_sub in zip(local_reg.sub_parts, remote_reg.sub_parts, strict=True):
+            for run in mapping.runs_from(f"g{local_reg.group}.{l_sub.name}", src):
+                l_byte, length = remote_sub_part_slice(l_sub, run.local_slot, run.count)
+                r_byte, _ = remote_sub_part_slice(r_sub, run.remote_slot, run.count)
+                lens = np.array([length], dtype=np.int64)
+                l_start = local_list.add(local_reg, local_reg.num_pages,
+                                         np.array([l_byte], dtype=np.int64), lens)
+                r_start = remote_list.add(remote_reg, remote_reg.num_pages,
+                                          np.array([r_byte], dtype=np.int64), lens)
+                ssm.setdefault(local_reg.group, []).append((l_start, r_start, length))
+    l_kbs, r_kbs = local.kernel_block_size, remote.kernel_block_size
+    attention = tuple(
+        AttentionSegment(
+            group=g,
+            local_region_starts=np.array([e[0] for e in entries], dtype=np.int64),
+            remote_region_starts=np.array([e[1] for e in entries], dtype=np.int64),
+            pieces=entries[0][2],
+            local_block_span=(l_kbs // chunk) * entries[0][2],
+            remote_block_span=(r_kbs // chunk) * entries[0][2],
+            chunk_bytes=sum(e[3] for e in entries),
+        )
+        for g, entries in sorted(att.items())
+    )
+    ssm_segments = tuple(
+        SsmSegment(g, np.array([e[0] for e in entries], dtype=np.int64),
+                   np.array([e[1] for e in entries], dtype=np.int64), sum(e[2] for e in entries))
+        for g, entries in sorted(ssm.items())
+    )
+    return SourcePlan(src, local_list.array(), remote_list.array(), attention, ssm_segments)
+
+
+@dataclass(frozen=True)
+class _PlanArgs:
+    local: WorkerGeometry
+    remotes: Mapping[int, WorkerGeometry]
+    mapping: TPMapping
+    chunk: int
+
+
+def build_transfer_plan(
+    local: WorkerGeometry,
+    remotes: Mapping[int, WorkerGeometry],
+    only_sources: Iterable[int] | None = None,
+) -> TransferPlan:
+    """Plan reader `local` (a D worker) against source engine workers `remotes` (rank → geometry).
+
+    `remotes` must hold every source rank the reader reads from (`compute_tp_mapping(...)
+    .source_ranks`), or those in `only_sources` (push mode: a P rank plans for one D rank
+    with only itself as source).
+    """
+    if not remotes:
+        raise ValueError("no remote geometries given")
+    any_remote = next(iter(remotes.values()))
+    for rank, geometry in remotes.items():
+        check_compatible(geometry, local)
+        if geometry.tp_rank != rank or geometry.tp_size != any_remote.tp_size:
+            raise ValueError(f"remote geometry under key {rank} is rank {geometry.tp_rank} "
+                             f"of TP {geometry.tp_size}; expected rank {rank} of TP {any_remote.tp_size}")
+        if (geometry.block_size, geometry.kernel_block_size, geometry.num_blocks) != (
+                any_remote.block_size, any_remote.kernel_block_size, any_remote.num_blocks):
+            raise IncompatibleLayout([f"remote rank {rank} block geometry differs from its engine peers"])
+    mapping = compute_tp_mapping(local.model, local.tp_size, local.tp_rank, any_remote.tp_size)
+    wanted = mapping.source_ranks if only_sources is None else tuple(sorted(set(only_sources)))
+    missing = [s for s in wanted if s not in remotes]
+    stray = [s for s in wanted if s not in mapping.source_ranks]
+    if missing or stray:
+        raise ValueError(f"reader rank {local.tp_rank} reads from ranks {mapping.source_ranks}; "
+                         f"geometry missing for {missing}, not a source: {stray}")
+    chunk = gcd(local.kernel_block_size, any_remote.kernel_block_size)
+    args = _PlanArgs(local, remotes, mapping, chunk)
+    sources = tuple(_build_source(args, src) for src in wanted)
+    return TransferPlan(local, any_remote.tp_size, any_remote.block_size, any_remote.kernel_block_size,
+                        any_remote.num_blocks, chunk, mapping, sources)

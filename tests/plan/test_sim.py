@@ -1,0 +1,205 @@
+"""Property test: every planned transfer moves exactly the right bytes and nothing else."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import sim
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from kvlink.layout.geometry import build_worker_geometry, packed_base_addrs
+from kvlink.layout.spec import GDN, MLA, FullAttention, GroupSpec, Mamba2, ModelSpec, SlidingWindow
+from kvlink.plan.compat import IncompatibleLayout, check_configuration
+from kvlink.plan.tp_mapping import compute_tp_mapping, consumers_per_producer
+from kvlink.plan.transfer_plan import build_transfer_plan
+
+TP_PAIRS = [(p, d) for p in (1, 2, 4, 8) for d in (1, 2, 4, 8)]
+BLOCK_SIZES = st.sampled_from([8, 16, 32, 64])
+PPL = st.sampled_from([1, 2, 4])
+UNITS = st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16])
+MIXES = ["full", "full+sliding", "full+mamba2", "mla", "full+gdn"]
+
+
+@st.composite
+def models(draw: st.DrawFn, mix: str | None = None) -> ModelSpec:
+    mix = mix or draw(st.sampled_from(MIXES))
+    groups: list[GroupSpec]
+    if mix == "full":
+        groups = [FullAttention()]
+    elif mix == "full+sliding":
+        groups = [FullAttention(), SlidingWindow(window=draw(st.integers(1, 120)))]
+    elif mix == "full+mamba2":
+        groups = [FullAttention(), Mamba2(num_heads=draw(UNITS), head_dim=2, n_groups=draw(UNITS),
+                                          d_state=draw(st.sampled_from([2, 3])), conv_kernel=draw(st.integers(2, 4)))]
+    elif mix == "full+gdn":
+        k_heads = draw(UNITS)
+        groups = [FullAttention(), GDN(num_k_heads=k_heads, num_v_heads=k_heads * draw(st.sampled_from([1, 2])),
+                                       head_k_dim=2, head_v_dim=3, conv_kernel=draw(st.integers(2, 4)))]
+    else:
+        groups = [MLA(latent_dim=draw(st.sampled_from([3, 8])))]
+    layers = draw(st.integers(len(groups), 4))
+    layer_groups = tuple(i % len(groups) for i in range(layers))
+    return ModelSpec(name=mix, num_kv_heads=draw(UNITS), head_dim=draw(st.sampled_from([1, 4])),
+                     dtype=draw(st.sampled_from(["bfloat16", "float32"])), groups=tuple(groups),
+                     layer_groups=layer_groups)
+
+
+@dataclass(frozen=True)
+class Side:
+    tp: int
+    block_size: int
+    kernel_block_size: int
+
+
+@st.composite
+def sides(draw: st.DrawFn, tp: int) -> Side:
+    block_size = draw(BLOCK_SIZES)
+    return Side(tp, block_size, block_size // draw(PPL))
+
+
+def _blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+def _block_lists(model: ModelSpec, side: Side, num_blocks: int, count: int, drop_front: int,
+                 rng: np.random.Generator) -> list[np.ndarray]:
+    lists = []
+    for group in model.groups:
+        perm = rng.permutation(num_blocks)
+        if isinstance(group, (Mamba2, GDN)):
+            lists.append(perm[: int(rng.integers(1, 3))])
+        else:
+            lists.append(perm[drop_front:count])
+    return lists
+
+
+def _null_out_of_window(model: ModelSpec, lists: list[np.ndarray], block_size: int, shipped: int) -> None:
+    """P frees sliding-window blocks that lie wholly before the window: ids become -1."""
+    for g, group in enumerate(model.groups):
+        if isinstance(group, SlidingWindow):
+            ends = (np.arange(lists[g].size) + 1) * block_size
+            lists[g] = np.where(ends <= shipped - group.window, -1, lists[g])
+
+
+def _tokens(model: ModelSpec, start_of: list[int], end: int) -> list[np.ndarray]:
+    return [np.arange(start_of[g], end, dtype=np.int64) for g in range(len(model.groups))]
+
+
+def run_scenario(model: ModelSpec, p: Side, d: Side, shipped: int, prefix_blocks: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    prompt = shipped + 1
+    computed = prefix_blocks * d.block_size
+    p_count, d_count = _blocks_for(prompt, p.block_size), _blocks_for(prompt, d.block_size)
+    p_num_blocks = p_count + int(rng.integers(0, 4))
+    d_num_blocks = d_count + int(rng.integers(0, 4))
+    logical = sim.make_logical(model, shipped, rng)
+    p_ids = _block_lists(model, p, p_num_blocks, p_count, 0, rng)
+    _null_out_of_window(model, p_ids, p.block_size, shipped)
+    p_tokens = [
+        np.flatnonzero(np.repeat(ids >= 0, p.block_size)[:shipped]) if not sim.group_is_ssm(model, g)
+        else np.zeros(0, dtype=np.int64)
+        for g, ids in enumerate(p_ids)
+    ]
+    sources = {}
+    for rank in range(p.tp):
+        mem = sim.make_worker(model, p.tp, rank, p.block_size, p.kernel_block_size, p_num_blocks, 0, rng)
+        sim.store(mem, logical, p_ids, p_tokens)
+        sources[rank] = mem
+    geometries = {rank: mem.geometry for rank, mem in sources.items()}
+    d_ids = _block_lists(model, d, d_num_blocks, d_count, prefix_blocks, rng)
+    must_start = [
+        max(computed, shipped - g.window) if isinstance(g, SlidingWindow) else computed for g in model.groups
+    ]
+    notified = [0] * p.tp
+    for rank in range(d.tp):
+        reader = sim.make_worker(model, d.tp, rank, d.block_size, d.kernel_block_size, d_num_blocks, 1, rng)
+        before = reader.data.copy()
+        plan = build_transfer_plan(reader.geometry, geometries)
+        specs = plan.request_ids(d_ids, p_ids, shipped, computed)
+        assert [s.src_rank for s in specs] == list(plan.mapping.source_ranks)
+        sim.execute(plan, specs, reader, sources)
+        assert reader.writes.max(initial=0) <= 1, "a destination byte was written twice"
+        outside = ~sim.destination_mask(reader, d_ids)
+        assert np.array_equal(reader.data[outside], before[outside]), "bytes outside the destination changed"
+        if shipped <= computed:
+            assert not reader.writes.any()
+        else:
+            tokens = _tokens(model, must_start, shipped)
+            got = sim.load(reader, d_ids, tokens, computed)
+            want = sim.expected_for(reader, logical, tokens)
+            for layer, rows in want.rows.items():
+                np.testing.assert_array_equal(got.rows[layer], rows, err_msg=f"layer {layer}")
+            for key, state in want.ssm.items():
+                np.testing.assert_array_equal(got.ssm[key], state, err_msg=f"ssm {key}")
+        for src in plan.mapping.notify_ranks:
+            notified[src] += 1
+    assert tuple(notified) == consumers_per_producer(model, p.tp, d.tp)
+    assert min(notified) >= 1, "a P rank would never free its blocks"
+
+
+def _valid(model: ModelSpec, p: Side, d: Side) -> bool:
+    try:
+        check_configuration(model, model, p.tp, d.tp, p.block_size, p.kernel_block_size,
+                            d.block_size, d.kernel_block_size)
+    except IncompatibleLayout as exc:
+        message = str(exc)
+        assert "cannot shard" in message and "Supported:" in message
+        bad_tp = p.tp if "P: TP" in message else d.tp
+        with pytest.raises(ValueError):
+            build_worker_geometry(model, bad_tp, 0, p.block_size, p.kernel_block_size, 1,
+                                  packed_base_addrs(model, 1, p.block_size, p.kernel_block_size, 1, 0))
+        return False
+    return True
+
+
+SETTINGS = settings(max_examples=12, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+def _scenario(data: st.DataObject, model: ModelSpec, p_tp: int, d_tp: int) -> None:
+    p, d = data.draw(sides(p_tp), "P"), data.draw(sides(d_tp), "D")
+    if not _valid(model, p, d):
+        event("refused")
+        return
+    event("same kernel blocks" if p.kernel_block_size == d.kernel_block_size else "chunked")
+    shipped = data.draw(st.integers(0, 300), "shipped")
+    prefix_blocks = data.draw(st.integers(0, shipped // d.block_size), "prefix blocks")
+    run_scenario(model, p, d, shipped, prefix_blocks, data.draw(st.integers(0, 2**16), "seed"))
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), TP_PAIRS)
+@pytest.mark.parametrize("mix", MIXES)
+@SETTINGS
+@given(data=st.data())
+def test_transfer_is_byte_exact(mix: str, p_tp: int, d_tp: int, data: st.DataObject) -> None:
+    _scenario(data, data.draw(models(mix), "model"), p_tp, d_tp)
+
+
+def test_refused_tp_names_the_part() -> None:
+    model = ModelSpec("m", 3, 4, "bfloat16", (FullAttention(),), (0, 0))
+    with pytest.raises(IncompatibleLayout, match=r"P: TP 2 cannot shard kv \(3 units\)"):
+        check_configuration(model, model, 2, 1, 16, 16, 16, 16)
+    with pytest.raises(IncompatibleLayout, match=r"D: TP 8 cannot shard kv"):
+        check_configuration(model, model, 1, 8, 16, 16, 16, 16)
+
+
+def test_hand_picked_scenarios() -> None:
+    """Corner cases the random search may visit rarely."""
+    full8 = ModelSpec("f", 8, 4, "bfloat16", (FullAttention(),), (0, 0))
+    hybrid = ModelSpec("h", 2, 4, "float32", (FullAttention(), Mamba2(4, 2, 2, 2, 4)), (0, 1, 0, 1))
+    run_scenario(full8, Side(2, 16, 16), Side(4, 16, 16), 100, 2, 1)   # D_tp > P_tp, prefix hit
+    run_scenario(full8, Side(4, 64, 16), Side(2, 16, 8), 150, 3, 2)    # P blocks larger, P_tp > D_tp
+    run_scenario(full8, Side(1, 8, 2), Side(8, 64, 64), 130, 1, 3)     # tiny P kernel blocks
+    run_scenario(hybrid, Side(8, 32, 8), Side(1, 16, 16), 77, 4, 4)    # P replicates KV heads and SSM
+    run_scenario(hybrid, Side(1, 16, 16), Side(8, 32, 16), 64, 0, 5)   # D replicates KV heads
+    run_scenario(full8, Side(1, 16, 16), Side(1, 16, 16), 48, 3, 6)    # full prefix hit: nothing moves
+
+
+def test_mapping_consistent_with_simulated_notifications() -> None:
+    model = ModelSpec("mla", 1, 1, "bfloat16", (MLA(8),), (0,))
+    ranks = [compute_tp_mapping(model, 2, d, 4) for d in range(2)]
+    assert [m.source_ranks for m in ranks] == [(0,), (2,)]
+    assert [m.notify_only_ranks for m in ranks] == [(1,), (3,)]
