@@ -16,8 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kvlink.engine.model.base import kernel_block_table, physical_per_logical
-from kvlink.engine.model.paged_kv import read_kv, slots_for, write_kv
-from kvlink.engine.model.rope import RotaryEmbedding
+from kvlink.engine.paged_attention import paged_attention, rotate
 from kvlink.layout.spec import FullAttention, Mamba2, ModelSpec
 from kvlink.layout.tensors import ssm_page_slices
 
@@ -70,23 +69,13 @@ class AttentionMixer:
         self.q_heads, self.kv_heads, self.head_dim = count * q_per_kv, count, d
 
     def __call__(
-        self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-        kernel_table: torch.Tensor, cache: torch.Tensor,
+        self, x: torch.Tensor, positions: torch.Tensor, kernel_table: torch.Tensor, cache: torch.Tensor,
     ) -> torch.Tensor:
         num_new = x.shape[0]
-        q = rope.apply(F.linear(x, self.wq).view(num_new, self.q_heads, self.head_dim), positions)
-        k = rope.apply(F.linear(x, self.wk).view(num_new, self.kv_heads, self.head_dim), positions)
+        q = rotate(F.linear(x, self.wq).view(num_new, self.q_heads, self.head_dim), positions)
+        k = rotate(F.linear(x, self.wk).view(num_new, self.kv_heads, self.head_dim), positions)
         v = F.linear(x, self.wv).view(num_new, self.kv_heads, self.head_dim)
-        blocks, offsets = slots_for(positions, kernel_table, cache.shape[2])
-        write_kv(cache, blocks, offsets, k, v)
-        total = int(positions[-1]) + 1
-        keys, values = read_kv(cache, kernel_table, total)
-        mask = torch.arange(total) <= positions.unsqueeze(1)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-            attn_mask=mask, enable_gqa=True,
-        )
-        return F.linear(out.squeeze(0).transpose(0, 1).reshape(num_new, -1), self.wo)
+        return F.linear(paged_attention(q, k, v, positions, kernel_table, cache), self.wo)
 
 
 class Mamba2Mixer:
@@ -171,7 +160,6 @@ class TinyHybridModel:
         tp_rank: int = 0,
         tp_size: int = 1,
         all_reduce: AllReduce | None = None,
-        max_position: int = 8192,
     ) -> None:
         if tp_size > spec.num_kv_heads or spec.num_kv_heads % tp_size:
             raise ValueError(
@@ -185,7 +173,6 @@ class TinyHybridModel:
         self._all_reduce = all_reduce
         init = _Init(seed)
         self.embedding = torch.randn(vocab_size, hidden_size, generator=init.generator)
-        self.rope = RotaryEmbedding(spec.head_dim, 10000.0, max_position)
         self.mixers: list[AttentionMixer | Mamba2Mixer] = []
         for group_index in spec.layer_groups:
             group = spec.groups[group_index]
@@ -220,7 +207,7 @@ class TinyHybridModel:
             table = block_tables[self.spec.layer_groups[layer]]
             h = rms_norm(x, self.norms[layer])
             if isinstance(mixer, AttentionMixer):
-                out = mixer(h, positions, self.rope, kernel_block_table(table, ppl), caches[layer])
+                out = mixer(h, positions, kernel_block_table(table, ppl), caches[layer])
             else:
                 out = mixer(h, caches[layer][int(table[-1])], fresh=start_pos == 0)
             if self._all_reduce is not None:

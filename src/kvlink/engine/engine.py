@@ -1,0 +1,196 @@
+"""The reference engine: `step()` = schedule -> load KV -> run -> connector output -> postprocess.
+
+With a connector it is one side of a P/D pair, driven only through `connector.api`;
+without one it is a plain colocated engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvlink.connector.api import (
+    ConnectorScheduler,
+    ConnectorWorker,
+    LoadFailurePolicy,
+    WorkerOutput,
+)
+from kvlink.engine.block_pool import BlockPool
+from kvlink.engine.kv_cache import allocate_kv_caches, register_with
+from kvlink.engine.model.base import PagedModel
+from kvlink.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
+from kvlink.engine.runner import ModelRunner
+from kvlink.engine.scheduler import ScheduledRun, Scheduler
+from kvlink.layout.spec import is_ssm
+
+
+class LLMEngine:
+    """One engine instance (one worker rank) over `num_blocks` logical blocks per KV-cache group."""
+
+    def __init__(
+        self,
+        model: PagedModel,
+        num_blocks: int,
+        block_size: int,
+        kernel_block_size: int,
+        connector_scheduler: ConnectorScheduler | None = None,
+        connector_worker: ConnectorWorker | None = None,
+        load_failure_policy: LoadFailurePolicy | None = None,
+        *,
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 2048,
+    ) -> None:
+        self.model, self.num_blocks = model, num_blocks
+        self.block_size, self.kernel_block_size = block_size, kernel_block_size
+        self.connector, self.worker = connector_scheduler, connector_worker
+        if load_failure_policy is None:
+            load_failure_policy = connector_scheduler.load_failure_policy if connector_scheduler else "fail"
+        if load_failure_policy not in ("recompute", "fail"):
+            raise ValueError(f"load_failure_policy must be 'recompute' or 'fail', got {load_failure_policy!r}")
+        self.load_failure_policy: LoadFailurePolicy = load_failure_policy
+        ssm_groups = [is_ssm(g) for g in model.spec.groups]
+        self.pools = [BlockPool(num_blocks, block_size, enable_prefix_caching=not s) for s in ssm_groups]
+        self.kv_caches = allocate_kv_caches(model.spec, model.tp_size, block_size, kernel_block_size, num_blocks)
+        if connector_worker is not None:
+            connector_worker.register_kv_caches(*register_with(self.kv_caches))
+        self.scheduler = Scheduler(
+            self.pools, ssm_groups, connector_scheduler, max_num_seqs, max_num_batched_tokens
+        )
+        self.runner = ModelRunner(model, self.kv_caches, block_size)
+        self.requests: dict[str, Request] = {}
+        # Blocks of finished requests kept for the connector (P lease, or an aborted load in flight).
+        self.held: dict[str, list[list[int]]] = {}
+        self._outputs: list[RequestOutput] = []
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> None:
+        if request_id in self.requests or request_id in self.held:
+            raise ValueError(f"request id {request_id!r} is already in use; ids must be unique")
+        request = Request(request_id, list(prompt_token_ids), params or SamplingParams(), kv_transfer_params)
+        self.requests[request_id] = request
+        if self.connector is not None:
+            self.connector.on_new_request(request.view())
+        self.scheduler.add(request)
+
+    def abort(self, request_id: str) -> bool:
+        """Finish a request now (reason "abort"); False if it is not in the engine."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        self._finish(request, "abort", aborted=True)
+        return True
+
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        for request in scheduled.rejected:
+            self._finish(request, "error", error=request.error)
+        if self.connector is not None:
+            metadata = self.connector.build_step_metadata()
+            if self.worker is not None:
+                self.worker.start_load_kv(metadata)
+        sampled = self.runner.run(scheduled.runs)
+        if self.connector is not None:
+            output = self.worker.get_finished() if self.worker is not None else WorkerOutput()
+            self.connector.update_connector_output(output)
+            self._apply_connector_output(output)
+        self._postprocess(scheduled.runs, sampled)
+        outputs, self._outputs = self._outputs, []
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        pending = self.connector is not None and self.connector.has_pending_work()
+        return bool(self.requests or self.held or self._outputs) or pending
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "num_blocks": self.num_blocks,
+            "free_blocks": [pool.num_free_blocks for pool in self.pools],
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "waiting_for_remote_kv": len(self.scheduler.parked),
+            "held_requests": len(self.held),
+            "held_blocks": [sum(len(t[g]) for t in self.held.values()) for g in range(len(self.pools))],
+        }
+
+    def check_integrity(self) -> None:
+        """Pools are consistent and every reference belongs to a live or held request."""
+        tables = [r.block_tables for r in self.requests.values() if r.block_tables]
+        tables += list(self.held.values())
+        for group, pool in enumerate(self.pools):
+            pool.check_integrity([t[group] for t in tables])
+
+    def _postprocess(self, runs: list[ScheduledRun], sampled: dict[str, int]) -> None:
+        for run in runs:
+            request = run.request
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens = run.start_pos + run.num_tokens
+            for pool, table in zip(self.pools, request.block_tables, strict=True):
+                pool.cache_full_blocks(table, request.all_token_ids, request.num_computed_tokens)
+            if request.prefill_only:
+                self._finish(request, "length")
+                continue
+            token = sampled[request.request_id]
+            request.output_token_ids.append(token)
+            reason = self._stop_reason(request, token)
+            if reason is not None:
+                self._finish(request, reason, new_token_ids=[token])
+            else:
+                self._outputs.append(RequestOutput(request.request_id, [token]))
+
+    def _stop_reason(self, request: Request, token: int) -> str | None:
+        params = request.params
+        if token in params.stop_token_ids or (
+            not params.ignore_eos and token in self.model.eos_token_ids
+        ):
+            return "stop"
+        if len(request.output_token_ids) >= params.max_tokens:
+            return "length"
+        return None
+
+    def _apply_connector_output(self, output: WorkerOutput) -> None:
+        if output.invalid_block_ids:
+            for pool in self.pools:
+                pool.invalidate(output.invalid_block_ids)
+        done = output.finished_sending | output.finished_recving | output.failed_recving
+        for request_id in done & self.held.keys():
+            self.scheduler.free_blocks(self.held.pop(request_id))
+        for request_id in output.finished_recving:
+            self.scheduler.resume_after_load(request_id, loaded=True)
+        for request_id in output.failed_recving:
+            request = self.scheduler.parked.get(request_id)
+            if request is None:
+                continue
+            if self.load_failure_policy == "recompute":
+                self.scheduler.resume_after_load(request_id, loaded=False)
+            else:
+                self._finish(request, "error", error=(
+                    f"loading the KV cache of request {request_id!r} from the prefill instance "
+                    "failed and load_failure_policy is 'fail'; retry the request, or run the "
+                    "decode instance with load_failure_policy='recompute' to prefill locally"
+                ))
+
+    def _finish(
+        self, request: Request, reason: str, *, error: str | None = None, aborted: bool = False,
+        new_token_ids: list[int] | None = None,
+    ) -> None:
+        """Leave every queue; free the blocks unless the connector still reads or writes them."""
+        loading = request.status is RequestStatus.WAITING_FOR_REMOTE_KV
+        self.scheduler.remove(request)
+        request.status, request.finish_reason, request.error = RequestStatus.FINISHED, reason, error
+        tables, request.block_tables = request.block_tables, []
+        delay_free, params = False, None
+        if self.connector is not None:
+            delay_free, params = self.connector.request_finished(request.view(), tables, aborted)
+        if tables and (delay_free or loading):
+            self.held[request.request_id] = tables
+        else:
+            self.scheduler.free_blocks(tables)
+        del self.requests[request.request_id]
+        self._outputs.append(RequestOutput(
+            request.request_id, new_token_ids or [], True, reason, error, params
+        ))

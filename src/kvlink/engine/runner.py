@@ -1,0 +1,33 @@
+"""Runs one step's scheduled token runs through the model, one sequence at a time, and samples."""
+
+from __future__ import annotations
+
+import torch
+
+from kvlink.engine.model.base import PagedModel
+from kvlink.engine.sampler import sample
+from kvlink.engine.scheduler import ScheduledRun
+
+
+class ModelRunner:
+    """Owns nothing but references: the model, the worker's caches and the logical block size."""
+
+    def __init__(self, model: PagedModel, caches: list[torch.Tensor], block_size: int) -> None:
+        self.model, self.caches, self.block_size = model, caches, block_size
+
+    def run(self, runs: list[ScheduledRun]) -> dict[str, int]:
+        """Next token per request id; prefill-only requests (P side) and empty runs sample nothing."""
+        sampled: dict[str, int] = {}
+        for run in runs:
+            request = run.request
+            if run.num_tokens == 0:
+                continue
+            end = run.start_pos + run.num_tokens
+            input_ids = torch.tensor(request.all_token_ids[run.start_pos : end], dtype=torch.int64)
+            tables = [torch.tensor(t, dtype=torch.int64) for t in request.block_tables]
+            logits = self.model.forward(
+                input_ids, run.start_pos, tables, self.caches, block_size=self.block_size
+            )
+            if not request.prefill_only:
+                sampled[request.request_id] = sample(logits[-1], request.params, request.generator)
+        return sampled
