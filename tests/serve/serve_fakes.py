@@ -8,10 +8,15 @@ makes step() raise. The real engine is exercised by test_real_server.py.
 
 from __future__ import annotations
 
+import socket
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
+
+import uvicorn
 
 
 @dataclass
@@ -46,6 +51,7 @@ class _Running:
 class FakeEngine:
     running: dict[str, _Running] = field(default_factory=dict)
     aborted: list[str] = field(default_factory=list)
+    seen: dict[str, tuple[list[int], Any, dict[str, Any] | None]] = field(default_factory=dict)
     threads: set[int] = field(default_factory=set)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: Any,
@@ -54,6 +60,7 @@ class FakeEngine:
         if kv_transfer_params is not None and "do_remote_decode" not in kv_transfer_params \
                 and "do_remote_prefill" not in kv_transfer_params:
             raise ValueError(f"kv_transfer_params has no known mode: {sorted(kv_transfer_params)}")
+        self.seen[request_id] = (list(prompt_token_ids), sampling, kv_transfer_params)
         self.running[request_id] = _Running(list(prompt_token_ids), sampling, kv_transfer_params)
 
     def abort(self, request_id: str) -> None:
@@ -73,6 +80,8 @@ class FakeEngine:
                 raise RuntimeError("simulated engine crash")
             if "hang" in text:
                 continue
+            if "slow" in text:
+                time.sleep(0.05)
             if "fail" in text:
                 del self.running[request_id]
                 outputs.append(FakeOutput(request_id, [], True, "error", "simulated KV load failure"))
@@ -118,3 +127,27 @@ class FakeTokenizer:
     def apply_chat_template(self, messages: Sequence[dict[str, str]],
                             add_generation_prompt: bool = True) -> str:
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+
+@contextmanager
+def serve_in_thread(app: Any) -> Iterator[str]:
+    """Run an ASGI app with uvicorn on a free 127.0.0.1 port; yield its base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(5)
+        sock.close()
+

@@ -1,0 +1,165 @@
+"""The P/D proxy: prefill on a P instance (one token), then decode on a D instance with P's params.
+
+For each request: P gets `max_tokens=1`, `stream=false` and
+`kv_transfer_params={"do_remote_decode": true}`; the `kv_transfer_params` of P's
+answer go, with the client's original body, to D; D's answer goes back to the
+client (SSE passed through unchanged). Instances are chosen least-loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from kvlink.serve.errors import APIError, error_body, install_error_handlers
+from kvlink.serve.metrics import MetricsRegistry
+from kvlink.serve.upstream import Instance, InstancePool, status_error, transport_error
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """P computes the prompt's KV and one token; it keeps the blocks for D to read."""
+    request = dict(body)
+    request["max_tokens"] = 1
+    if "max_completion_tokens" in request:
+        request["max_completion_tokens"] = 1
+    request["stream"] = False
+    request.pop("stream_options", None)
+    request["kv_transfer_params"] = {"do_remote_decode": True}
+    return request
+
+
+def build_proxy_app(
+    prefill_urls: list[str], decode_urls: list[str], *, timeout_s: float = 120.0,
+    connect_timeout_s: float = 5.0,
+) -> FastAPI:
+    prefill = InstancePool.of("prefill", prefill_urls)
+    decode = InstancePool.of("decode", decode_urls)
+    metrics = MetricsRegistry("kvlink_proxy")
+    metrics.fragments += [lambda: prefill.render("kvlink_proxy"), lambda: decode.render("kvlink_proxy")]
+    timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
+    client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None))
+    app = FastAPI(title="kvlink P/D proxy", docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+    app.router.add_event_handler("shutdown", client.aclose)
+
+    async def post_json(side: str, instance: Instance, path: str, body: dict[str, Any],
+                        headers: dict[str, str]) -> dict[str, Any]:
+        try:
+            # One deadline for the whole call: httpx's read timeout alone restarts per chunk.
+            response = await asyncio.wait_for(
+                client.post(instance.url + path, json=body, headers=headers), timeout_s)
+        except Exception as error:
+            raise transport_error(side, instance.url, error, timeout_s) from error
+        if response.status_code != 200:
+            raise status_error(side, instance.url, response)
+        try:
+            answer: dict[str, Any] = response.json()
+        except ValueError as error:
+            raise APIError(502, f"{side} instance {instance.url} answered with non-JSON: "
+                                f"{response.text[:200]!r}", f"{side}_failed") from error
+        return answer
+
+    async def run_prefill(path: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
+        started = time.monotonic()
+        with prefill.acquire() as instance:
+            answer = await post_json("prefill", instance, path, prefill_body(body), headers)
+        metrics.observe("prefill_seconds", time.monotonic() - started)
+        params = answer.get("kv_transfer_params")
+        if not isinstance(params, dict):
+            raise APIError(502, f"prefill instance {instance.url} answered without "
+                                "kv_transfer_params; is it running with --role prefill?",
+                           "prefill_failed")
+        return params
+
+    async def stream_decode(path: str, body: dict[str, Any], headers: dict[str, str],
+                            started: float) -> Response:
+        instance = decode.take()
+        sent = time.monotonic()
+        try:
+            request = client.build_request("POST", instance.url + path, json=body, headers=headers)
+            response = await asyncio.wait_for(client.send(request, stream=True), timeout_s)
+        except Exception as error:
+            decode.release(instance)
+            raise transport_error("decode", instance.url, error, timeout_s) from error
+        if response.status_code != 200:
+            await response.aread()
+            await response.aclose()
+            decode.release(instance)
+            raise status_error("decode", instance.url, response)
+
+        async def passthrough() -> AsyncIterator[bytes]:
+            first = True
+            try:
+                async for chunk in response.aiter_raw():
+                    if first:
+                        metrics.observe("decode_ttft_seconds", time.monotonic() - sent)
+                        first = False
+                    yield chunk
+                metrics.inc("requests_total", outcome="ok")
+            except httpx.HTTPError as error:
+                api_error = transport_error("decode", instance.url, error, timeout_s)
+                metrics.inc("requests_total", outcome="decode_error")
+                event = json.dumps(error_body(api_error.status, api_error.message, api_error.code))
+                yield f"data: {event}\n\ndata: [DONE]\n\n".encode()
+            finally:
+                # Shielded: on client disconnect this task is cancelled, and closing the
+                # upstream stream is what makes D abort the request.
+                with anyio.CancelScope(shield=True):
+                    await response.aclose()
+                decode.release(instance)
+                metrics.observe("total_seconds", time.monotonic() - started)
+
+        return StreamingResponse(passthrough(), media_type="text/event-stream")
+
+    async def route(raw: Request, path: str) -> Response:
+        started = time.monotonic()
+        try:
+            body = await raw.json()
+        except ValueError as error:
+            raise APIError(400, f"request body is not valid JSON: {error}", "invalid_json") from error
+        if not isinstance(body, dict):
+            raise APIError(400, "request body must be a JSON object", "invalid_json")
+        headers = {"X-Request-Id": raw.headers.get("x-request-id") or uuid.uuid4().hex}
+        if "authorization" in raw.headers:
+            headers["Authorization"] = raw.headers["authorization"]
+        try:
+            decode_request = dict(body, kv_transfer_params=await run_prefill(path, body, headers))
+            if body.get("stream"):
+                return await stream_decode(path, decode_request, headers, started)
+            sent = time.monotonic()
+            with decode.acquire() as instance:
+                answer = await post_json("decode", instance, path, decode_request, headers)
+            metrics.observe("decode_seconds", time.monotonic() - sent)
+        except APIError as error:
+            metrics.inc("requests_total", outcome=error.code or "error")
+            raise
+        metrics.observe("total_seconds", time.monotonic() - started)
+        metrics.inc("requests_total", outcome="ok")
+        return JSONResponse(answer)
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request) -> Response:
+        return await route(raw, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: Request) -> Response:
+        return await route(raw, "/v1/chat/completions")
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "prefill": prefill.describe(), "decode": decode.describe()}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app

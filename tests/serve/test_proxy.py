@@ -1,0 +1,150 @@
+"""The P/D proxy against real HTTP upstreams (our app over fake engines, and misbehaving apps)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+from serve_fakes import FakeEngine, FakeSampling, FakeTokenizer, serve_in_thread
+
+from kvlink.serve.api_server import build_app
+from kvlink.serve.engine_loop import AsyncEngine
+from kvlink.serve.metrics import MetricsRegistry
+from kvlink.serve.proxy import build_proxy_app
+from kvlink.serve.upstream import InstancePool
+
+
+@contextmanager
+def fake_instance(role: str, engine: FakeEngine) -> Iterator[str]:
+    async_engine = AsyncEngine(engine, request_timeout_s=5.0, idle_wait_s=0.01)
+    async_engine.start()
+    app = build_app(async_engine, FakeTokenizer(), "fake-model", role, MetricsRegistry("s"),
+                    max_model_len=64, sampling_factory=FakeSampling)
+    try:
+        with serve_in_thread(app) as url:
+            yield url
+    finally:
+        async_engine.shutdown()
+
+
+def misbehaving_app(status: int | None) -> FastAPI:
+    """Answers every completion with `status`, or never answers when `status` is None."""
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions() -> JSONResponse:
+        if status is None:
+            await asyncio.sleep(3600)
+        return JSONResponse({"error": {"message": "simulated upstream failure"}}, status_code=status)
+
+    return app
+
+
+def closed_port_url() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+@pytest.fixture
+def pd() -> Iterator[tuple[str, FakeEngine, FakeEngine]]:
+    """A proxy URL in front of one fake P and one fake D."""
+    p_engine, d_engine = FakeEngine(), FakeEngine()
+    with ExitStack() as stack:
+        p_url = stack.enter_context(fake_instance("prefill", p_engine))
+        d_url = stack.enter_context(fake_instance("decode", d_engine))
+        proxy = build_proxy_app([p_url], [d_url], timeout_s=5.0)
+        yield stack.enter_context(serve_in_thread(proxy)), p_engine, d_engine
+
+
+def test_prefill_params_are_forwarded_to_decode(pd: tuple[str, FakeEngine, FakeEngine]) -> None:
+    proxy_url, p_engine, d_engine = pd
+    request = {"prompt": "hello", "max_tokens": 5}
+    body = httpx.post(f"{proxy_url}/v1/completions", json=request, timeout=10).json()
+    assert body["choices"][0]["text"] == "abcde"
+    [(p_prompt, p_sampling, p_params)] = p_engine.seen.values()
+    [(d_prompt, d_sampling, d_params)] = d_engine.seen.values()
+    assert p_params == {"do_remote_decode": True} and p_sampling.max_tokens == 1
+    assert d_params is not None and d_params["remote_engine_id"] == "fake-p"
+    assert d_params["remote_request_id"] in p_engine.seen
+    assert d_prompt == p_prompt and d_sampling.max_tokens == 5
+    metrics = httpx.get(f"{proxy_url}/metrics").text
+    assert "kvlink_proxy_prefill_seconds_count 1" in metrics
+    assert 'kvlink_proxy_requests_total{outcome="ok"} 1' in metrics
+
+
+def test_stream_is_passed_through_from_decode(pd: tuple[str, FakeEngine, FakeEngine]) -> None:
+    proxy_url, _, _ = pd
+    request = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
+    response = httpx.post(f"{proxy_url}/v1/chat/completions", json=request, timeout=10)
+    data = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    chunks = [json.loads(item) for item in data[:-1]]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "abcd"
+
+
+def test_client_disconnect_mid_stream_aborts_on_decode(pd: tuple[str, FakeEngine, FakeEngine]) -> None:
+    proxy_url, _, d_engine = pd
+    request = {"prompt": "slow", "max_tokens": 60, "stream": True}
+    with httpx.stream("POST", f"{proxy_url}/v1/completions", json=request, timeout=10) as response:
+        next(response.iter_lines())
+    deadline = time.monotonic() + 5
+    while not d_engine.aborted:
+        assert time.monotonic() < deadline, "decode instance never saw the abort"
+        time.sleep(0.05)
+    assert not d_engine.running
+
+
+@pytest.mark.parametrize(
+    ("side", "status", "expected_status", "expected"),
+    [
+        ("prefill", 0, 502, "prefill instance {url} is unreachable"),
+        ("prefill", 400, 400, "prefill instance {url} refused the request (HTTP 400)"),
+        ("decode", 500, 502, "decode instance {url} failed (HTTP 500): simulated upstream failure"),
+        ("decode", None, 504, "decode instance {url} did not answer within 1s"),
+        ("prefill", None, 504, "prefill instance {url} did not answer within 1s"),
+    ],
+)
+def test_upstream_failures_become_clear_http_errors(
+    side: str, status: int | None, expected_status: int, expected: str
+) -> None:
+    good = FakeEngine()
+    with ExitStack() as stack:
+        good_url = stack.enter_context(fake_instance(side, good))
+        bad_url = closed_port_url() if status == 0 else stack.enter_context(
+            serve_in_thread(misbehaving_app(status)))
+        urls = (bad_url, good_url) if side == "prefill" else (good_url, bad_url)
+        proxy = stack.enter_context(serve_in_thread(build_proxy_app([urls[0]], [urls[1]], timeout_s=1.0)))
+        started = time.monotonic()
+        response = httpx.post(f"{proxy}/v1/completions", json={"prompt": "hi"}, timeout=10)
+    assert time.monotonic() - started < 5
+    assert response.status_code == expected_status
+    assert expected.format(url=bad_url) in response.json()["error"]["message"]
+
+
+def test_pool_picks_least_loaded_and_rotates_ties() -> None:
+    pool = InstancePool.of("decode", ["http://a", "http://b", "http://c"])
+    busy = pool.take()
+    picks = {pool.take().url for _ in range(2)}
+    assert busy.url not in picks and len(picks) == 2
+    assert [i.in_flight for i in pool.instances] == [1, 1, 1]
+    with pytest.raises(ValueError, match="at least one prefill"):
+        InstancePool.of("prefill", [])
+
+
+def test_non_json_body_is_a_400() -> None:
+    proxy = build_proxy_app(["http://p"], ["http://d"])
+    with serve_in_thread(proxy) as url:
+        response = httpx.post(f"{url}/v1/completions", content=b"{not json", timeout=5)
+    assert response.status_code == 400
+    assert "not valid JSON" in response.json()["error"]["message"]
+
+
