@@ -168,6 +168,7 @@ class LLMEngine:
             if self.load_failure_policy == "recompute":
                 self.scheduler.resume_after_load(request_id, loaded=False)
             else:
+                request.status = RequestStatus.WAITING  # the load has ended: nothing writes the blocks
                 self._finish(request, "error", error=(
                     f"loading the KV cache of request {request_id!r} from the prefill instance "
                     "failed and load_failure_policy is 'fail'; retry the request, or run the "
