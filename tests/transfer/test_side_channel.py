@@ -46,14 +46,14 @@ def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[HandshakeServer]:
 def raw_exchange(port: int, data: bytes, hold_open: bool = False) -> bytes:
     """Send raw bytes and return whatever comes back before the listener closes."""
     with socket.create_connection(("127.0.0.1", port), timeout=3.0) as sock:
-        sock.sendall(data)
-        if not hold_open:
-            sock.shutdown(socket.SHUT_WR)
         chunks = []
         try:
+            sock.sendall(data)
+            if not hold_open:
+                sock.shutdown(socket.SHUT_WR)
             while chunk := sock.recv(65536):
                 chunks.append(chunk)
-        except ConnectionResetError:  # closed with our unread bytes still queued
+        except OSError:  # reset, broken pipe, not connected: the listener closed on unread bytes
             pass
         return b"".join(chunks)
 
