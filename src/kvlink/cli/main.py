@@ -11,6 +11,8 @@ from collections.abc import Sequence
 # Modules are imported only when their command runs, so `kvlink plan` never loads torch.
 COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("kvlink.cli.plan_cmd", "show the transfer plan between a P and a D configuration"),
+    "serve": ("kvlink.cli.serve_cmd", "run an OpenAI-compatible prefill, decode or colocated instance"),
+    "proxy": ("kvlink.cli.proxy_cmd", "route requests to prefill then decode instances"),
 }
 
 # `kvlink bench <name>`: one module per benchmark.

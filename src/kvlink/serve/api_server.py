@@ -23,7 +23,7 @@ _STATS_TIMEOUT_S = 5.0
 
 
 def engine_sampling_params() -> SamplingFactory:
-    from kvlink.engine.engine import SamplingParams
+    from kvlink.engine.request import SamplingParams
 
     return SamplingParams  # type: ignore[no-any-return]
 
@@ -58,7 +58,7 @@ def build_app(
             make_sampling = engine_sampling_params()
         return make_sampling(
             max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-            seed=body.seed, stop_token_ids=sorted(tokenizer.eos_token_ids),
+            seed=body.seed, stop_token_ids=tuple(sorted(tokenizer.eos_token_ids)),
         )
 
     async def serve(

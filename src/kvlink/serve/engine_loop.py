@@ -190,16 +190,12 @@ class AsyncEngine:
         with contextlib.suppress(RuntimeError):
             stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, item)
 
-    def _has_work(self) -> bool:
-        # An engine may hold connector work (leases, pending loads) with no running request.
-        pending = getattr(self.engine, "has_pending_work", None)
-        return bool(self.engine.has_unfinished() or (pending is not None and pending()))
-
     def _run(self) -> None:
         try:
             while not self._stopping.is_set():
                 self._run_commands()
-                if self._has_work():
+                # has_unfinished() also covers connector work (leases, loads) with no request.
+                if self.engine.has_unfinished():
                     for output in self.engine.step():
                         self._deliver(output.request_id, output, bool(output.finished))
                 else:

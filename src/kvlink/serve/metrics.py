@@ -103,7 +103,8 @@ class MetricsRegistry:
 
 
 def render_stats_gauges(prefix: str, stats: Mapping[str, object]) -> str:
-    """Numeric engine stats as gauges; a dict of numbers becomes one gauge with a `key` label."""
+    """Numeric engine stats as gauges; a dict or list of numbers (e.g. free blocks per group)
+    becomes one gauge with a `key` label (the dict key or the list index)."""
     lines: list[str] = []
     for name, value in sorted(stats.items()):
         full = f"{prefix}_{name}"
@@ -111,8 +112,9 @@ def render_stats_gauges(prefix: str, stats: Mapping[str, object]) -> str:
             value = int(value)
         if isinstance(value, (int, float)):
             lines += [f"# TYPE {full} gauge", f"{full} {value:g}"]
-        elif isinstance(value, Mapping):
-            numeric = {k: v for k, v in value.items() if isinstance(v, (int, float))}
+        elif isinstance(value, (Mapping, list, tuple)):
+            items = value.items() if isinstance(value, Mapping) else enumerate(value)
+            numeric = {k: v for k, v in items if isinstance(v, (int, float))}
             if numeric:
                 lines.append(f"# TYPE {full} gauge")
                 lines += [f'{full}{{key="{k}"}} {v:g}' for k, v in sorted(numeric.items(), key=str)]

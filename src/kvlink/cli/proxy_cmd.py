@@ -1,0 +1,33 @@
+"""`kvlink proxy`: route each request to a prefill instance, then to a decode instance."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prefill", nargs="+", required=True, metavar="URL",
+                        help="prefill instance base URLs, e.g. http://127.0.0.1:8100")
+    parser.add_argument("--decode", nargs="+", required=True, metavar="URL",
+                        help="decode instance base URLs, e.g. http://127.0.0.1:8200")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--timeout-s", type=float, default=120.0,
+                        help="deadline of each upstream call (and between streamed chunks)")
+    parser.add_argument("--connect-timeout-s", type=float, default=5.0)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvlink.serve.proxy import build_proxy_app
+
+    app = build_proxy_app(args.prefill, args.decode, timeout_s=args.timeout_s,
+                          connect_timeout_s=args.connect_timeout_s)
+    url = f"http://{args.host}:{args.port}"
+    app.router.add_event_handler(
+        "startup", lambda: print(f"kvlink proxy on {url}: prefill {' '.join(args.prefill)}, "
+                                 f"decode {' '.join(args.decode)}", flush=True))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
+                timeout_graceful_shutdown=5)
+    return 0
