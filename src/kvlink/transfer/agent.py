@@ -20,13 +20,9 @@ from kvlink.transfer.descs import (
     as_xfer_descs,
     peek_agent_name,
 )
-from kvlink.transfer.xfer import Op, Transfer, TransferFailed, TransferTelemetry
+from kvlink.transfer.xfer import Op, Transfer, TransferFailed, TransferTelemetry, describe
 
 logger = logging.getLogger(__name__)
-
-
-def describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
 
 
 class NixlAgent:
@@ -46,7 +42,6 @@ class NixlAgent:
         self._next_dlist = 1
         self._unreleased: list[Transfer] = []
 
-    # -- memory ---------------------------------------------------------------
     def register_regions(self, regions: npt.ArrayLike | Sequence[tuple[int, int]]) -> int:
         """Register DRAM regions given as (addr, nbytes); returns how many were new."""
         fresh = [r for r in as_regions(regions) if r not in self._registered]
@@ -60,7 +55,6 @@ class NixlAgent:
             self._agent.deregister_memory(reg_descs)
         self._registered.clear()
 
-    # -- peers ----------------------------------------------------------------
     def metadata(self) -> bytes:
         """This agent's metadata; re-send it to peers after registering more memory."""
         return bytes(self._agent.get_agent_metadata())
@@ -97,7 +91,6 @@ class NixlAgent:
     def remote_names(self) -> frozenset[str]:
         return frozenset(self._remotes)
 
-    # -- prepared descriptor lists -------------------------------------------
     def prep_local(self, descs: npt.ArrayLike) -> int:
         """Prepare local descriptors ``Nx3 (addr, len, dev)``; returns a handle."""
         return self._prep("", as_xfer_descs(descs))
@@ -122,7 +115,6 @@ class NixlAgent:
         if prepared is not None:
             prepared.native.release()
 
-    # -- transfers ------------------------------------------------------------
     def post(
         self,
         op: Op,
@@ -230,7 +222,6 @@ class NixlAgent:
         if transfer in self._unreleased:
             self._unreleased.remove(transfer)
 
-    # -- notifications --------------------------------------------------------
     def send_notif(self, remote_name: str, msg: bytes) -> None:
         try:
             self._agent.send_notif(remote_name, msg)
@@ -242,7 +233,6 @@ class NixlAgent:
         raw = self._agent.get_new_notifs()
         return {(k.decode() if isinstance(k, bytes) else str(k)): list(v) for k, v in raw.items()}
 
-    # -- lifetime -------------------------------------------------------------
     def close(self) -> None:
         """Release lists, forget peers, deregister memory; the agent is unusable afterwards."""
         for transfer in list(self._unreleased):

@@ -22,6 +22,11 @@ class TransferFailed(RuntimeError):
         self.reason = reason
 
 
+def describe(exc: BaseException) -> str:
+    """``ExceptionType: message``, for failure reasons (NIXL's class names carry the meaning)."""
+    return f"{type(exc).__name__}: {exc}"
+
+
 @dataclass(frozen=True)
 class TransferTelemetry:
     """NIXL's per-request telemetry (times in microseconds)."""
