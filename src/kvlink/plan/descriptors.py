@@ -20,7 +20,22 @@ DescArray = npt.NDArray[np.uint64]
 
 def descriptor_ids(region_starts: IntArray, block_offsets: IntArray) -> IntArray:
     """Region-major ids: for each region start, every block offset (in the given order)."""
-    return (region_starts[:, None] + block_offsets[None, :]).reshape(-1)
+    return concat_descriptor_ids([(region_starts, block_offsets)])
+
+
+def concat_descriptor_ids(parts: Sequence[tuple[IntArray, IntArray]]) -> IntArray:
+    """`descriptor_ids` of each (region starts, block offsets) pair, concatenated.
+
+    Writes straight into one output array: on large requests fresh allocations
+    (page faults) cost more than the arithmetic.
+    """
+    out = np.empty(sum(starts.size * offsets.size for starts, offsets in parts), dtype=np.int64)
+    pos = 0
+    for starts, offsets in parts:
+        size = starts.size * offsets.size
+        np.add(starts[:, None], offsets[None, :], out=out[pos:pos + size].reshape(starts.size, offsets.size))
+        pos += size
+    return out
 
 
 def desc_ids_attention(block_ids: Sequence[int] | IntArray, num_regions: int, blocks_per_region: int) -> IntArray:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvlink.layout.spec import SlidingWindow, is_ssm
-from kvlink.plan.descriptors import IntArray, descriptor_ids
+from kvlink.plan.descriptors import IntArray, concat_descriptor_ids
 
 if TYPE_CHECKING:
     from kvlink.plan.transfer_plan import AttentionSegment, SourcePlan, TransferPlan
@@ -98,15 +98,15 @@ def _chunk_positions(
     )
 
 
-def _segment_ids(seg: AttentionSegment, pos: _ChunkPositions) -> tuple[IntArray, IntArray]:
+def _segment_offsets(seg: AttentionSegment, pos: _ChunkPositions) -> tuple[IntArray, IntArray]:
+    """Per-region offsets (block, chunk, piece) of every moved chunk, local and remote."""
     local_offsets = pos.local_kernel * seg.local_block_span + pos.local_chunk * seg.pieces
     remote_offsets = pos.remote_kernel * seg.remote_block_span + pos.remote_chunk * seg.pieces
     if seg.pieces > 1:
         piece = np.arange(seg.pieces, dtype=np.int64)
         local_offsets = (local_offsets[:, None] + piece[None, :]).reshape(-1)
         remote_offsets = (remote_offsets[:, None] + piece[None, :]).reshape(-1)
-    return (descriptor_ids(seg.local_region_starts, local_offsets),
-            descriptor_ids(seg.remote_region_starts, remote_offsets))
+    return local_offsets, remote_offsets
 
 
 def request_ids(
@@ -161,31 +161,31 @@ def _state_blocks(plan: TransferPlan, g: int, local_ids: IntArray, remote_ids: I
 
 def _source_read(source: SourcePlan, positions: dict[int, _ChunkPositions],
                  state_blocks: dict[int, tuple[int, int]], num_groups: int) -> ReadSpec:
-    local_parts: list[IntArray] = []
-    remote_parts: list[IntArray] = []
+    local_parts: list[tuple[IntArray, IntArray]] = []
+    remote_parts: list[tuple[IntArray, IntArray]] = []
     touched: list[IntArray] = [_EMPTY] * num_groups
     nbytes = 0
     for seg in source.attention:
         pos = positions.get(seg.group)
         if pos is None:
             continue
-        local_idx, remote_idx = _segment_ids(seg, pos)
-        local_parts.append(local_idx)
-        remote_parts.append(remote_idx)
+        local_offsets, remote_offsets = _segment_offsets(seg, pos)
+        local_parts.append((seg.local_region_starts, local_offsets))
+        remote_parts.append((seg.remote_region_starts, remote_offsets))
         touched[seg.group] = pos.touched
         nbytes += seg.chunk_bytes * pos.local_kernel.size
     for ssm in source.ssm:
         if ssm.group not in state_blocks:
             continue
         local_block, remote_block = state_blocks[ssm.group]
-        local_parts.append(ssm.local_starts + local_block)
-        remote_parts.append(ssm.remote_starts + remote_block)
+        local_parts.append((ssm.local_starts, np.array([local_block], dtype=np.int64)))
+        remote_parts.append((ssm.remote_starts, np.array([remote_block], dtype=np.int64)))
         touched[ssm.group] = np.array([local_block], dtype=np.int64)
         nbytes += ssm.block_bytes
     return ReadSpec(
         src_rank=source.src_rank,
-        local_idx=np.concatenate(local_parts) if local_parts else _EMPTY,
-        remote_idx=np.concatenate(remote_parts) if remote_parts else _EMPTY,
+        local_idx=concat_descriptor_ids(local_parts),
+        remote_idx=concat_descriptor_ids(remote_parts),
         nbytes=nbytes,
         local_blocks=tuple(touched),
     )

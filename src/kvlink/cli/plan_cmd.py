@@ -1,0 +1,96 @@
+"""`kvlink plan`: show what moves between a P and a D configuration of a preset model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from kvlink.layout.presets import PRESETS, preset
+from kvlink.plan.compat import IncompatibleLayout
+from kvlink.plan.report import EngineConfig, plan_report
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", required=True, choices=sorted(PRESETS), help="model KV geometry")
+    parser.add_argument("--p-tp", type=int, required=True, help="prefill engine TP size")
+    parser.add_argument("--d-tp", type=int, required=True, help="decode engine TP size")
+    parser.add_argument("--p-block-size", type=int, default=16)
+    parser.add_argument("--d-block-size", type=int, default=16)
+    parser.add_argument("--p-kernel-block-size", type=int, help="default: the P block size")
+    parser.add_argument("--d-kernel-block-size", type=int, help="default: the D block size")
+    parser.add_argument("--tokens", type=int, default=1000, help="prompt length of the sample request")
+    parser.add_argument("--d-computed-tokens", type=int, default=0,
+                        help="D prefix-cache hit (a multiple of the D block size)")
+    parser.add_argument("--scatter", type=int, metavar="SEED",
+                        help="shuffle the sample block ids with SEED (default: consecutive ids)")
+    parser.add_argument("--json", action="store_true",
+                        help="every region and every transfer as JSON (schema: docs/plan-json.md)")
+
+
+def run(args: argparse.Namespace) -> int:
+    p = EngineConfig(args.p_tp, args.p_block_size, args.p_kernel_block_size or args.p_block_size)
+    d = EngineConfig(args.d_tp, args.d_block_size, args.d_kernel_block_size or args.d_block_size)
+    try:
+        report = plan_report(preset(args.preset), p, d, args.tokens, args.d_computed_tokens,
+                             args.scatter, with_transfers=args.json)
+    except IncompatibleLayout as exc:
+        print(f"kvlink plan: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"kvlink plan: impossible request: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        json.dump(report, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        print(render(report))
+    return 0
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    raise AssertionError
+
+
+def _engine_lines(label: str, engine: dict[str, Any]) -> list[str]:
+    regions = engine["workers"][0]["regions"]
+    kinds: dict[str, int] = {}
+    for region in regions:
+        kinds[region["kind"]] = kinds.get(region["kind"], 0) + 1
+    pages = ", ".join(f"{n} {kind} (page {_size(next(r['page_len'] for r in regions if r['kind'] == kind))})"
+                      for kind, n in kinds.items())
+    lines = [
+        f"{label}: TP {engine['tp']}, block {engine['block_size']} tokens "
+        f"(kernel {engine['kernel_block_size']}), {engine['num_blocks']} blocks",
+        f"   regions per rank: {len(regions)} = {pages}",
+        f"   KV bytes per token per rank: {_size(engine['kv_bytes_per_token_per_rank'])}",
+    ]
+    if engine["ssm_state_bytes_per_rank"]:
+        lines.append(f"   SSM state per request per rank: {_size(engine['ssm_state_bytes_per_rank'])}")
+    return lines
+
+
+def render(report: dict[str, Any]) -> str:
+    request = report["request"]
+    lines = [f"model {report['model']} ({report['dtype']})"]
+    lines += _engine_lines("P", report["p"]) + _engine_lines("D", report["d"])
+    state = " plus SSM state" if report["p"]["ssm_state_bytes_per_rank"] else ""
+    lines.append(
+        f"request: {request['prompt_tokens']}-token prompt, ships tokens "
+        f"[{request['d_computed_tokens']}, {request['tokens_shipped']}){state}; "
+        f"token chunk {report['d_ranks'][0]['chunk_tokens']} tokens"
+    )
+    for rank in report["d_ranks"]:
+        lines.append(
+            f"D rank {rank['rank']}: reads P {rank['source_ranks']}, notifies P {rank['notify_ranks']}; "
+            f"{rank['descriptors']} descriptors, {rank['merged_descriptors']} after merging, "
+            f"{_size(rank['bytes'])}"
+        )
+    waits = ", ".join(f"P{r}: {n}" for r, n in enumerate(report["consumers_per_producer"]))
+    lines.append(f"notifications each P rank waits for per request: {waits}")
+    return "\n".join(lines)

@@ -1,0 +1,126 @@
+"""A whole P/D configuration planned end to end on fake addresses, as plain data (for `kvlink plan`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvlink.layout.geometry import Region, WorkerGeometry, build_worker_geometry, packed_base_addrs
+from kvlink.layout.spec import ModelSpec, is_ssm
+from kvlink.plan.compat import check_configuration
+from kvlink.plan.descriptors import DescArray, count_merged
+from kvlink.plan.tp_mapping import consumers_per_producer
+from kvlink.plan.transfer_plan import build_transfer_plan
+
+P_ADDRESS_SPACE = 0x10_0000_0000
+D_ADDRESS_SPACE = 0x20_0000_0000
+RANK_ADDRESS_STRIDE = 0x1_0000_0000
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    tp: int
+    block_size: int
+    kernel_block_size: int
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return max(1, -(-tokens // block_size))
+
+
+def fake_engine(model: ModelSpec, config: EngineConfig, num_blocks: int, space: int) -> list[WorkerGeometry]:
+    """Every rank of an engine, tensors packed from a deterministic per-rank base address."""
+    return [
+        build_worker_geometry(
+            model, config.tp, rank, config.block_size, config.kernel_block_size, num_blocks,
+            packed_base_addrs(model, config.tp, config.block_size, config.kernel_block_size, num_blocks,
+                              space + rank * RANK_ADDRESS_STRIDE),
+            device_id=rank,
+        )
+        for rank in range(config.tp)
+    ]
+
+
+def sample_block_ids(model: ModelSpec, tokens: int, block_size: int, skip_blocks: int,
+                     scatter_seed: int | None) -> list[list[int]]:
+    """Block ids of a sample request: consecutive from 0 (best case), or shuffled."""
+    count = blocks_for(tokens, block_size)
+    order = np.arange(count) if scatter_seed is None else np.random.default_rng(scatter_seed).permutation(count)
+    return [[count - 1] if is_ssm(g) else [int(b) for b in order[skip_blocks:]] for g in model.groups]
+
+
+def region_info(region: Region) -> dict[str, Any]:
+    return {"layer": region.layer, "group": region.group, "kind": region.kind, "base": region.base,
+            "page_len": region.page_len, "page_stride": region.page_stride, "num_pages": region.num_pages}
+
+
+def _locate(worker: WorkerGeometry, descs: DescArray) -> tuple[np.ndarray, np.ndarray]:
+    bases = np.array([r.base for r in worker.regions], dtype=np.uint64)
+    order = np.argsort(bases)
+    slot = np.searchsorted(bases[order], descs[:, 0], side="right") - 1
+    region = order[slot]
+    return region, (descs[:, 0] - bases[region]).astype(np.int64)
+
+
+def plan_report(model: ModelSpec, p: EngineConfig, d: EngineConfig, prompt_tokens: int,
+                d_computed_tokens: int = 0, scatter_seed: int | None = None,
+                with_transfers: bool = False) -> dict[str, Any]:
+    """Plan every D rank for one sample request; raises IncompatibleLayout for impossible pairs."""
+    check_configuration(model, model, p.tp, d.tp, p.block_size, p.kernel_block_size,
+                        d.block_size, d.kernel_block_size)
+    shipped = max(0, prompt_tokens - 1)
+    p_workers = fake_engine(model, p, blocks_for(prompt_tokens, p.block_size), P_ADDRESS_SPACE)
+    d_workers = fake_engine(model, d, blocks_for(prompt_tokens, d.block_size), D_ADDRESS_SPACE)
+    p_ids = sample_block_ids(model, prompt_tokens, p.block_size, 0, scatter_seed)
+    d_ids = sample_block_ids(model, prompt_tokens, d.block_size, d_computed_tokens // d.block_size,
+                             scatter_seed)
+    ranks = []
+    for reader in d_workers:
+        plan = build_transfer_plan(reader, dict(enumerate(p_workers)))
+        specs = plan.request_ids(d_ids, p_ids, shipped, d_computed_tokens)
+        entry: dict[str, Any] = {
+            "rank": reader.tp_rank, "source_ranks": list(plan.mapping.source_ranks),
+            "notify_ranks": list(plan.mapping.notify_ranks), "chunk_tokens": plan.chunk_tokens,
+            "descriptors": 0, "merged_descriptors": 0, "bytes": 0, "transfers": [],
+        }
+        for spec in specs:
+            source = plan.source(spec.src_rank)
+            local, remote = source.local_descs[spec.local_idx], source.remote_descs[spec.remote_idx]
+            entry["descriptors"] += len(local)
+            entry["merged_descriptors"] += count_merged(local, remote)
+            entry["bytes"] += spec.nbytes
+            if with_transfers:
+                entry["transfers"] += _transfers(spec.src_rank, p_workers[spec.src_rank], reader, local, remote)
+        ranks.append(entry)
+    return {
+        "model": model.name, "dtype": model.dtype,
+        "p": _engine_info(p, p_workers), "d": _engine_info(d, d_workers),
+        "request": {"prompt_tokens": prompt_tokens, "tokens_shipped": shipped,
+                    "d_computed_tokens": d_computed_tokens, "p_block_ids": p_ids, "d_block_ids": d_ids},
+        "consumers_per_producer": list(consumers_per_producer(model, p.tp, d.tp)),
+        "d_ranks": ranks,
+    }
+
+
+def _engine_info(config: EngineConfig, workers: list[WorkerGeometry]) -> dict[str, Any]:
+    first = workers[0]
+    return {
+        "tp": config.tp, "block_size": config.block_size, "kernel_block_size": config.kernel_block_size,
+        "num_blocks": first.num_blocks,
+        "kv_bytes_per_token_per_rank": sum(r.units * r.token_bytes for r in first.attention_regions),
+        "ssm_state_bytes_per_rank": sum(r.page_len for r in first.ssm_regions),
+        "workers": [{"rank": w.tp_rank, "regions": [region_info(r) for r in w.regions]} for w in workers],
+    }
+
+
+def _transfers(src_rank: int, source: WorkerGeometry, reader: WorkerGeometry,
+               local: DescArray, remote: DescArray) -> list[dict[str, int]]:
+    dst_region, dst_offset = _locate(reader, local)
+    src_region, src_offset = _locate(source, remote)
+    return [
+        {"src_rank": src_rank, "src_region": int(sr), "src_offset": int(so),
+         "dst_region": int(dr), "dst_offset": int(do), "length": int(n)}
+        for sr, so, dr, do, n in zip(src_region, src_offset, dst_region, dst_offset, local[:, 1], strict=True)
+    ]
