@@ -58,8 +58,8 @@ def measure(tokens_list: list[int], repeat: int) -> dict[str, Any]:
         descriptors = int(spec.local_idx.size)
         request_ms = _median_ms(lambda d=d_ids, p=p_ids, t=tokens: plan.request_ids(d, p, t - 1), repeat)
         ids_array = np.asarray(d_ids[0], dtype=np.int64)
-        regions = len(d_worker.regions)
-        ids_ms = _median_ms(lambda a=ids_array: desc_ids_attention(a, regions, num_blocks), repeat)
+        ids_ms = _median_ms(lambda a=ids_array: desc_ids_attention(a, len(d_worker.regions), num_blocks),
+                            repeat)
         rows.append({
             "tokens": tokens, "descriptors_per_side": descriptors,
             "request_ids_ms": round(request_ms, 4),
