@@ -51,6 +51,7 @@ class _Running:
 class FakeEngine:
     running: dict[str, _Running] = field(default_factory=dict)
     aborted: list[str] = field(default_factory=list)
+    pending: list[FakeOutput] = field(default_factory=list)
     seen: dict[str, tuple[list[int], Any, dict[str, Any] | None]] = field(default_factory=dict)
     threads: set[int] = field(default_factory=set)
 
@@ -66,14 +67,15 @@ class FakeEngine:
     def abort(self, request_id: str) -> None:
         self.threads.add(threading.get_ident())
         self.aborted.append(request_id)
-        self.running.pop(request_id, None)
+        if self.running.pop(request_id, None) is not None:
+            self.pending.append(FakeOutput(request_id, [], True, "abort"))  # as the real engine does
 
     def has_unfinished(self) -> bool:
-        return bool(self.running)
+        return bool(self.running or self.pending)
 
     def step(self) -> list[FakeOutput]:
         self.threads.add(threading.get_ident())
-        outputs = []
+        outputs, self.pending = self.pending, []
         for request_id, req in list(self.running.items()):
             text = "".join(chr(t) for t in req.prompt)
             if "crash" in text:

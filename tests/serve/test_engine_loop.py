@@ -98,3 +98,18 @@ def test_engine_crash_fails_waiters_and_later_calls(async_engine: AsyncEngine) -
 
     asyncio.run(main())
     assert not async_engine.alive
+
+
+def test_output_arriving_after_abort_is_dropped(
+    async_engine: AsyncEngine, fake_engine: FakeEngine
+) -> None:
+    async def main() -> None:
+        outputs = async_engine.generate("early", _ids("x"), FakeSampling(50))
+        await outputs.__anext__()
+        await outputs.aclose()  # the client went away after one token
+        await _wait_until(lambda: "early" in fake_engine.aborted)
+        await _wait_until(lambda: not fake_engine.has_unfinished())
+        assert (await async_engine.stats())["running"] == 0
+
+    asyncio.run(main())
+    assert async_engine.alive

@@ -183,7 +183,7 @@ class AsyncEngine:
             logger.exception("engine.abort(%s) failed", request_id)
 
     def _deliver(self, request_id: str, item: Any, final: bool) -> None:
-        stream = self._streams.pop(request_id) if final else self._streams.get(request_id)
+        stream = self._streams.pop(request_id, None) if final else self._streams.get(request_id)
         if stream is None:
             return  # aborted by its caller: the output has nobody to go to
         # A closed caller loop raises RuntimeError: nobody is listening any more.

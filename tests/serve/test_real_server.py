@@ -1,0 +1,137 @@
+"""`kvlink serve --role both --model tiny-hybrid` as a real process, driven by the openai client."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+pytestmark = pytest.mark.slow
+
+NUM_BLOCKS = 32
+BLOCK_SIZE = 16
+MAX_MODEL_LEN = NUM_BLOCKS * BLOCK_SIZE
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    port = _free_port()
+    command = [sys.executable, "-m", "kvlink.cli.main", "serve", "--role", "both",
+               "--model", "tiny-hybrid", "--port", str(port), "--num-blocks", str(NUM_BLOCKS),
+               "--block-size", str(BLOCK_SIZE), "--threads", "1", "--request-timeout-s", "20"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None, f"server exited: {process.stdout.read()}"  # type: ignore[union-attr]
+            assert time.monotonic() < deadline, "server did not become healthy within 60s"
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        yield url
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(5)
+
+
+@pytest.fixture
+def client(server: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", timeout=30, max_retries=0)
+
+
+def _assert_no_leaks(server: str) -> None:
+    deadline = time.monotonic() + 5
+    while True:
+        state = httpx.get(f"{server}/debug/state", timeout=5).json()
+        engine = state["engine"]
+        clean = (state["in_flight"] == 0 and engine["running"] == 0 and engine["waiting"] == 0
+                 and engine["held_requests"] == 0 and set(engine["free_blocks"]) == {NUM_BLOCKS})
+        if clean:
+            return
+        assert time.monotonic() < deadline, f"blocks or requests leaked: {state}"
+        time.sleep(0.1)
+
+
+def test_greedy_completion_is_deterministic_and_counts_tokens(client: openai.OpenAI, server: str) -> None:
+    first = client.completions.create(model="tiny-hybrid", prompt="The capital of France is",
+                                      max_tokens=8, temperature=0)
+    again = client.completions.create(model="tiny-hybrid", prompt="The capital of France is",
+                                      max_tokens=8, temperature=0)
+    assert first.choices[0].text == again.choices[0].text != ""
+    assert first.choices[0].finish_reason == "length"
+    assert first.usage is not None and first.usage.completion_tokens == 8
+    by_ids = client.completions.create(model="tiny-hybrid", prompt=[504, 3575, 282], max_tokens=3,
+                                       temperature=0)
+    assert by_ids.usage is not None and by_ids.usage.prompt_tokens == 3
+    _assert_no_leaks(server)
+
+
+def test_chat_stream_matches_non_stream(client: openai.OpenAI, server: str) -> None:
+    messages = [{"role": "user", "content": "Say hi"}]
+    whole = client.chat.completions.create(model="tiny-hybrid", messages=messages, max_tokens=6,
+                                           temperature=0)
+    stream = client.chat.completions.create(model="tiny-hybrid", messages=messages, max_tokens=6,
+                                            temperature=0, stream=True)
+    chunks = list(stream)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    _assert_no_leaks(server)
+
+
+def test_stop_string_truncates(client: openai.OpenAI) -> None:
+    text = client.completions.create(model="tiny-hybrid", prompt="Once upon a time", max_tokens=10,
+                                     temperature=0).choices[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    cut = client.completions.create(model="tiny-hybrid", prompt="Once upon a time", max_tokens=10,
+                                    temperature=0, stop=[stop]).choices[0]
+    assert cut.text == text[: text.find(stop)]
+    assert cut.finish_reason == "stop"
+
+
+def test_bad_requests_are_400_with_clear_messages(server: str) -> None:
+    cases = [
+        ({"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, f"maximum context length is {MAX_MODEL_LEN}"),
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "hi", "top_p": 0}, "top_p"),
+        ({"prompt": [10**6]}, "token ids must be in [0, 49152)"),
+    ]
+    for body, expected in cases:
+        response = httpx.post(f"{server}/v1/completions", json=body, timeout=10)
+        assert response.status_code == 400, body
+        assert expected in response.json()["error"]["message"]
+    chat = httpx.post(f"{server}/v1/chat/completions", json={"messages": []}, timeout=10)
+    assert chat.status_code == 400 and "messages" in chat.json()["error"]["message"]
+
+
+def test_client_disconnect_frees_everything(server: str) -> None:
+    body = {"prompt": "Tell me a long story", "max_tokens": 400, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=10) as response:
+        assert next(response.iter_lines()).startswith("data: ")
+    _assert_no_leaks(server)
+    metrics = httpx.get(f"{server}/metrics", timeout=5).text
+    assert 'kvlink_server_requests_total{outcome="abort"}' in metrics
+    assert "kvlink_server_time_to_first_token_seconds_count" in metrics
