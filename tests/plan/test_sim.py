@@ -196,6 +196,9 @@ def test_hand_picked_scenarios() -> None:
     run_scenario(hybrid, Side(8, 32, 8), Side(1, 16, 16), 77, 4, 4)    # P replicates KV heads and SSM
     run_scenario(hybrid, Side(1, 16, 16), Side(8, 32, 16), 64, 0, 5)   # D replicates KV heads
     run_scenario(full8, Side(1, 16, 16), Side(1, 16, 16), 48, 3, 6)    # full prefix hit: nothing moves
+    twelve = ModelSpec("t", 12, 4, "bfloat16", (FullAttention(), Mamba2(12, 2, 12, 2, 4)), (0, 1, 0))
+    run_scenario(twelve, Side(3, 16, 8), Side(4, 32, 32), 90, 1, 7)    # TP sizes that do not divide
+    run_scenario(twelve, Side(6, 16, 16), Side(4, 48, 16), 120, 2, 9)  # ... and a 48-token block
 
 
 def test_mapping_consistent_with_simulated_notifications() -> None:
