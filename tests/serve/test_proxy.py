@@ -76,6 +76,7 @@ def test_prefill_params_are_forwarded_to_decode(pd: tuple[str, FakeEngine, FakeE
     assert d_params is not None and d_params["remote_engine_id"] == "fake-p"
     assert d_params["remote_request_id"] in p_engine.seen
     assert d_prompt == p_prompt and d_sampling.max_tokens == 5
+    assert httpx.get(f"{proxy_url}/v1/models").json()["data"][0]["role"] == "decode"
     metrics = httpx.get(f"{proxy_url}/metrics").text
     assert "kvlink_proxy_prefill_seconds_count 1" in metrics
     assert 'kvlink_proxy_requests_total{outcome="ok"} 1' in metrics

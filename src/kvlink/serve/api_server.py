@@ -16,7 +16,7 @@ from kvlink.serve.generation import GenerationFailed, Piece, Summary, generate_p
 from kvlink.serve.metrics import MetricsRegistry, render_stats_gauges
 from kvlink.serve.prompts import chat_prompt_ids, completion_prompt_ids, token_budget
 from kvlink.serve.protocol import ChatCompletionRequest, CompletionRequest
-from kvlink.serve.responses import ResponseShape, sse
+from kvlink.serve.responses import Kind, ResponseShape, sse
 
 SamplingFactory = Callable[..., Any]
 _STATS_TIMEOUT_S = 5.0
@@ -67,7 +67,7 @@ def build_app(
     ) -> Response:
         max_tokens = token_budget(len(prompt_ids), requested_max_tokens, max_model_len)
         request_id = raw.headers.get("x-request-id") or uuid.uuid4().hex
-        kind = "chat" if isinstance(body, ChatCompletionRequest) else "completion"
+        kind: Kind = "chat" if isinstance(body, ChatCompletionRequest) else "completion"
         shape = ResponseShape(kind, request_id, model_name)
         summary = Summary(request_id, role, prompt_tokens=len(prompt_ids))
         pieces = generate_pieces(

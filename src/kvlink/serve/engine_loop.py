@@ -14,7 +14,7 @@ import contextlib
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -98,7 +98,7 @@ class AsyncEngine:
     async def generate(
         self, request_id: str, prompt_ids: list[int], sampling: Any,
         kv_transfer_params: dict[str, Any] | None = None,
-    ) -> AsyncIterator[Any]:
+    ) -> AsyncGenerator[Any, None]:
         """Yield the engine's outputs for one request until one is `finished`.
 
         Raises what `add_request` raises (bad input), `RequestTimeout` when nothing

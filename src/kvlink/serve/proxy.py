@@ -154,6 +154,17 @@ def build_proxy_app(
     async def chat_completions(raw: Request) -> Response:
         return await route(raw, "/v1/chat/completions")
 
+    @app.get("/v1/models")
+    async def models() -> Response:
+        with decode.acquire() as instance:
+            try:
+                response = await client.get(instance.url + "/v1/models")
+            except Exception as error:
+                raise transport_error("decode", instance.url, error, timeout_s) from error
+        if response.status_code != 200:
+            raise status_error("decode", instance.url, response)
+        return JSONResponse(response.json())
+
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "prefill": prefill.describe(), "decode": decode.describe()}
