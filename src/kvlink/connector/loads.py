@@ -1,0 +1,49 @@
+"""Book of D-side loads in progress: their transfers, the blocks they write, their figures."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvlink.connector.stats import TransferRecord
+from kvlink.transfer.xfer import Transfer
+
+
+@dataclass
+class Load:
+    request_id: str
+    entry: dict[str, Any]
+    blocks: set[int]
+    started: float
+    transfers: list[Transfer] = field(default_factory=list)
+    failed: bool = False
+    pushes_expected: int = 0
+    pushes_seen: set[str] = field(default_factory=set)
+    deadline: float = float("inf")
+
+    def record(self, t: Transfer) -> TransferRecord:
+        return transfer_record(self.request_id, t)
+
+
+def transfer_record(request_id: str, t: Transfer) -> TransferRecord:
+    """Figures of one finished transfer, from NIXL telemetry when the agent captured it."""
+    tel = t.telemetry
+    if tel is not None:
+        return TransferRecord(request_id, tel.xfer_us / 1e6, tel.post_us / 1e6, t.nbytes, tel.desc_count)
+    return TransferRecord(request_id, 0.0, 0.0, t.nbytes, t.desc_count)
+
+
+@dataclass
+class LoadBook:
+    loads: dict[str, Load] = field(default_factory=dict)
+
+    def start(self, request_id: str, entry: dict[str, Any], blocks: set[int], now: float) -> Load:
+        load = Load(request_id, entry, blocks, now)
+        self.loads[request_id] = load
+        return load
+
+    def get(self, request_id: str) -> Load | None:
+        return self.loads.get(request_id)
+
+    def finish(self, request_id: str) -> None:
+        self.loads.pop(request_id, None)

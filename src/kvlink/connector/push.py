@@ -1,0 +1,180 @@
+"""Push mode: P WRITEs a finished request's KV into blocks D allocated and announced.
+
+D sends a `push` notification to each source P rank with its block ids and side
+channel; P handshakes back with that D rank once, plans with the same planner (D as
+reader, itself as the only source) and WRITEs, attaching `pushed` to the data. D
+counts one `pushed` per source rank; a deadline turns silence into a failed load.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvlink.connector.handshakes import HandshakeRunner
+from kvlink.connector.loads import transfer_record
+from kvlink.connector.notifs import Pushed, PushRequest, encode
+from kvlink.connector.remote import RemoteEngine, connect_writer, release_engine
+from kvlink.layout.geometry import WorkerGeometry
+from kvlink.plan.tp_mapping import compute_tp_mapping
+from kvlink.transfer.agent import NixlAgent
+from kvlink.transfer.xfer import Transfer, TransferFailed
+
+if TYPE_CHECKING:
+    from kvlink.connector.worker import NixlWorker
+
+log = logging.getLogger("kvlink.connector.push")
+
+
+@dataclass
+class _Job:
+    request: PushRequest
+    received: float
+
+
+class PushWriter:
+    def __init__(self, worker: NixlWorker, agent: NixlAgent, geometry: WorkerGeometry) -> None:
+        self.worker = worker
+        self.agent = agent
+        self.geometry = geometry
+        cfg = worker.config
+        self.handshakes = HandshakeRunner(cfg.handshake_timeout_s, cfg.secret)
+        self.readers: dict[tuple[str, int], RemoteEngine] = {}
+        self.held_blocks: dict[str, list[list[int]]] = {}
+        self.jobs: list[_Job] = []
+        self.writes: dict[int, tuple[str, int]] = {}
+
+    # ---- D side -------------------------------------------------------------------------
+    def request_push(self, engine: RemoteEngine, entry: dict[str, Any]) -> None:
+        w = self.worker
+        assert w.server is not None
+        now = w._clock()
+        sources = compute_tp_mapping(w.model, w.tp_size, w.tp_rank, engine.tp_size).source_ranks
+        load = w.book.start(entry["request_id"], entry, _blocks(entry), now)
+        load.pushes_expected = len(sources)
+        load.deadline = now + w.config.stall_timeout_s + w.config.handshake_timeout_s
+        for rank, name in engine.notify_agents(sources):
+            info = {
+                "d_request_id": entry["request_id"], "d_engine_id": w.config.engine_id,
+                "d_host": w.config.side_channel_host, "d_port": w.server.port - w.tp_rank,
+                "d_rank": w.tp_rank, "local_block_ids": entry["local_block_ids"],
+                "local_computed_tokens": entry["local_computed_tokens"],
+                "num_tokens": entry["num_tokens"], "expected": engine.expected[rank],
+            }
+            w._send(name, encode(PushRequest(entry["remote_request_id"], info)))
+        w._notify(engine, entry, "notify", only_extra=True)
+
+    def on_pushed(self, d_request_id: str, sender: str) -> None:
+        w = self.worker
+        load = w.book.get(d_request_id)
+        if load is None or load.failed:
+            log.info("late or unknown push completion for %s from %s ignored", d_request_id, sender)
+            return
+        load.pushes_seen.add(sender)
+        if len(load.pushes_seen) >= load.pushes_expected:
+            w.book.finish(d_request_id)
+            w._out.finished_recving.add(d_request_id)
+
+    # ---- P side -------------------------------------------------------------------------
+    def remember_blocks(self, request_id: str, block_ids: list[list[int]]) -> None:
+        self.held_blocks[request_id] = block_ids
+
+    def forget_blocks(self, request_id: str) -> None:
+        self.held_blocks.pop(request_id, None)
+
+    def on_push_request(self, msg: PushRequest, now: float) -> None:
+        self.jobs.append(_Job(msg, now))
+
+    def poll(self, now: float) -> None:
+        w = self.worker
+        for rid, load in list(w.book.loads.items()):
+            if load.pushes_expected and not load.failed and now > load.deadline:
+                w.stats.count("stalled_transfers_total")
+                w._fail_request(rid, load.blocks, "stalled: no push completion before the deadline")
+        for key, result in self.handshakes.take_done():
+            assert isinstance(key, tuple)
+            if isinstance(result, BaseException):
+                w.stats.count("failed_handshakes_total")
+                log.warning("push handshake with %s failed: %s", key, result)
+                continue
+            d_engine, _, _, d_rank = key
+            try:
+                self.readers[(d_engine, d_rank)] = connect_writer(
+                    self.agent, self.geometry, d_engine, d_rank, result[d_rank])
+            except Exception as exc:
+                w.stats.count("refused_peers_total")
+                log.error("refusing push reader %s rank %d: %s", d_engine, d_rank, exc)
+        keep = []
+        for job in self.jobs:
+            if now - job.received > w.config.stall_timeout_s:
+                log.warning("push request for %s dropped: too old", job.request.request_id)
+                continue
+            if not self._try_write(job):
+                keep.append(job)
+        self.jobs = keep
+
+    def _try_write(self, job: _Job) -> bool:
+        info, rid = job.request.info, job.request.request_id
+        try:
+            d_engine, d_rank = str(info["d_engine_id"]), int(info["d_rank"])
+            host, port = str(info["d_host"]), int(info["d_port"])
+            blocks = self.held_blocks.get(rid)
+            if blocks is None:
+                return False
+            reader = self.readers.get((d_engine, d_rank))
+            if reader is None:
+                key = (d_engine, host, port, d_rank)
+                if not self.handshakes.pending(key):
+                    self.handshakes.request(key, host, port, d_engine, [d_rank])
+                return False
+            assert reader.plan is not None
+            (spec,) = reader.plan.request_ids(info["local_block_ids"], blocks, int(info["num_tokens"]),
+                                              int(info["local_computed_tokens"]))
+            expected, done = int(info["expected"]), encode(Pushed(str(info["d_request_id"])))
+        except (KeyError, TypeError, ValueError) as exc:
+            log.warning("bad push request for %s dropped: %s", rid, exc)
+            return True
+        h = reader.handles[d_rank]
+        if not len(spec.local_idx):
+            self.worker._send(h.agent_name, done)
+            self.worker.leases.notify(rid, expected, job.received)
+            return True
+        try:
+            t = self.agent.post("WRITE", h.local_handle, spec.remote_idx, h.remote_handle,
+                                spec.local_idx, done, tag=("push", rid))
+        except TransferFailed as exc:
+            self.worker.stats.count("failed_transfers_total")
+            log.warning("push WRITE for %s failed: %s", rid, exc.reason)
+            self._drop_reader(d_engine, d_rank)
+            return True
+        self.writes[id(t)] = (rid, expected)
+        assert self.worker.inflight is not None
+        self.worker.inflight.add(t)
+        return True
+
+    def on_transfer_done(self, t: Transfer, now: float) -> None:
+        entry = self.writes.pop(id(t), None)
+        if entry is not None:
+            self.worker.stats.record(transfer_record(entry[0], t))
+            self.worker.leases.notify(entry[0], entry[1], now)
+
+    def on_transfer_failed(self, t: Transfer) -> None:
+        entry = self.writes.pop(id(t), None)
+        if entry is not None:
+            self.worker.stats.count("failed_transfers_total")
+            log.warning("push WRITE for %s failed: %s", entry[0], t.failure)
+
+    def _drop_reader(self, d_engine: str, d_rank: int) -> None:
+        reader = self.readers.pop((d_engine, d_rank), None)
+        if reader is not None:
+            release_engine(self.agent, reader)
+
+    def shutdown(self) -> None:
+        self.handshakes.shutdown()
+        for d_engine, d_rank in list(self.readers):
+            self._drop_reader(d_engine, d_rank)
+
+
+def _blocks(entry: dict[str, Any]) -> set[int]:
+    return {int(b) for ids in entry.get("local_block_ids", []) for b in ids}

@@ -1,0 +1,138 @@
+"""Remote engines a worker talks to: handshake payloads in, prepared plans and handles out.
+
+Everything here is computed once per remote engine (at handshake), so a request
+only posts integer index arrays.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import msgspec
+
+from kvlink.layout.geometry import WorkerGeometry
+from kvlink.plan.compat import IncompatibleLayout, check_compatible
+from kvlink.plan.tp_mapping import compute_tp_mapping, consumers_per_producer
+from kvlink.plan.transfer_plan import TransferPlan, build_transfer_plan
+from kvlink.transfer.agent import NixlAgent
+from kvlink.transfer.wire import PROTOCOL_VERSION, HandshakePayload
+
+MAX_GEOMETRY_BYTES = 1 << 20
+
+
+def encode_geometry(geometry: WorkerGeometry) -> bytes:
+    return msgspec.msgpack.encode(geometry.to_wire())
+
+
+def decode_geometry(blob: bytes) -> WorkerGeometry:
+    """Rebuild a peer's geometry from its handshake; refuse anything malformed."""
+    if len(blob) > MAX_GEOMETRY_BYTES:
+        raise IncompatibleLayout([f"peer geometry of {len(blob)} bytes exceeds {MAX_GEOMETRY_BYTES}"])
+    try:
+        wire = msgspec.msgpack.decode(blob)
+        if not isinstance(wire, dict):
+            raise TypeError("geometry is not a map")
+        return WorkerGeometry.from_wire(wire)
+    except (msgspec.DecodeError, TypeError, ValueError, KeyError) as exc:
+        raise IncompatibleLayout([f"peer sent an unreadable geometry: {exc}"]) from None
+
+
+@dataclass
+class SourceHandles:
+    """Prepared NIXL descriptor lists for one remote rank, paired by index."""
+
+    agent_name: str
+    local_handle: int
+    remote_handle: int
+
+
+@dataclass
+class RemoteEngine:
+    """A handshaked remote engine as seen by one local worker."""
+
+    engine_id: str
+    tp_size: int
+    agents: dict[int, str]
+    geometries: dict[int, WorkerGeometry]
+    plan: TransferPlan | None
+    handles: dict[int, SourceHandles]
+    expected: tuple[int, ...]
+    last_used: float = field(default_factory=time.monotonic)
+
+    def notify_agents(self, ranks: Iterable[int]) -> list[tuple[int, str]]:
+        return [(r, self.agents[r]) for r in ranks if r in self.agents]
+
+
+def check_payload(payload: HandshakePayload, local: WorkerGeometry, engine_id: str) -> WorkerGeometry:
+    """Validate one rank's handshake payload against our own layout; return its geometry."""
+    problems = []
+    if payload.version != PROTOCOL_VERSION:
+        problems.append(f"protocol version {payload.version} (we speak {PROTOCOL_VERSION})")
+    if payload.engine_id != engine_id:
+        problems.append(f"engine id {payload.engine_id!r} (expected {engine_id!r})")
+    if problems:
+        raise IncompatibleLayout(problems)
+    geometry = decode_geometry(payload.geometry)
+    if geometry.tp_rank != payload.tp_rank or geometry.tp_size != payload.tp_size:
+        raise IncompatibleLayout([f"payload says rank {payload.tp_rank}/{payload.tp_size} but its "
+                                  f"geometry is rank {geometry.tp_rank}/{geometry.tp_size}"])
+    check_compatible(geometry, local)
+    if payload.compat_hash != local.model.compat_hash():
+        raise IncompatibleLayout([f"model hash {payload.compat_hash} differs from ours "
+                                  f"{local.model.compat_hash()}"])
+    return geometry
+
+
+def connect_reader(
+    agent: NixlAgent, local: WorkerGeometry, engine_id: str, payloads: Mapping[int, HandshakePayload],
+) -> RemoteEngine:
+    """D side (pull): we read from the remote engine. Plans, adds agents, preps lists."""
+    geometries = {r: check_payload(p, local, engine_id) for r, p in payloads.items()}
+    remote_tp = next(iter(payloads.values())).tp_size
+    plan = build_transfer_plan(local, {r: geometries[r] for r in _sources(local, remote_tp, geometries)})
+    agents = {r: agent.add_remote(p.agent_metadata) for r, p in payloads.items()}
+    handles: dict[int, SourceHandles] = {}
+    try:
+        for source in plan.sources:
+            name = agents[source.src_rank]
+            handles[source.src_rank] = SourceHandles(
+                name, agent.prep_local(source.local_descs), agent.prep_remote(name, source.remote_descs)
+            )
+    except Exception:
+        release_engine(agent, RemoteEngine(engine_id, remote_tp, agents, geometries, plan, handles, ()))
+        raise
+    expected = consumers_per_producer(local.model, remote_tp, local.tp_size)
+    return RemoteEngine(engine_id, remote_tp, agents, geometries, plan, handles, expected)
+
+
+def _sources(local: WorkerGeometry, remote_tp: int, geometries: Mapping[int, WorkerGeometry]) -> list[int]:
+    sources = compute_tp_mapping(local.model, local.tp_size, local.tp_rank, remote_tp).source_ranks
+    missing = [r for r in sources if r not in geometries]
+    if missing:
+        raise IncompatibleLayout([f"no handshake payload for source ranks {missing}"])
+    return list(sources)
+
+
+def connect_writer(
+    agent: NixlAgent, local: WorkerGeometry, engine_id: str, reader_rank: int, payload: HandshakePayload,
+) -> RemoteEngine:
+    """P side (push): we write into one D rank. The plan is the reader's, seen from its source."""
+    reader = check_payload(payload, local, engine_id)
+    plan = build_transfer_plan(reader, {local.tp_rank: local}, only_sources=[local.tp_rank])
+    name = agent.add_remote(payload.agent_metadata)
+    (source,) = plan.sources
+    handles = {reader_rank: SourceHandles(
+        name, agent.prep_local(source.remote_descs), agent.prep_remote(name, source.local_descs))}
+    return RemoteEngine(engine_id, payload.tp_size, {reader_rank: name}, {reader_rank: reader}, plan,
+                        handles, ())
+
+
+def release_engine(agent: NixlAgent, engine: RemoteEngine) -> None:
+    """Drop prepared lists and remote agents (after a failure, eviction or shutdown)."""
+    for h in engine.handles.values():
+        agent.release_dlist(h.local_handle)
+    for name in set(engine.agents.values()):
+        agent.remove_remote(name)
+    engine.handles.clear()

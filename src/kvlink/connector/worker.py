@@ -1,0 +1,373 @@
+"""Worker side of the NIXL connector: one per TP rank; registers memory and moves bytes.
+
+D (pull): handshake once per P engine, then READ exactly the planned descriptors,
+each READ carrying a `done` notification for its P rank. P: hold finished requests
+under leases until every consumer rank has notified, or the lease runs out.
+Push mode lives in `push.py`. Every wait has a deadline; failures name the blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+from kvlink.connector.api import ConnectorWorker, StepMetadata, WorkerOutput
+from kvlink.connector.config import ConnectorConfig
+from kvlink.connector.handshakes import HandshakeRunner, Payloads
+from kvlink.connector.lease import LeaseTable
+from kvlink.connector.loads import Load, LoadBook
+from kvlink.connector.notifs import (
+    BadNotification,
+    Done,
+    Heartbeat,
+    Pushed,
+    PushRequest,
+    decode,
+    encode,
+)
+from kvlink.connector.push import PushWriter
+from kvlink.connector.remote import RemoteEngine, connect_reader, encode_geometry, release_engine
+from kvlink.connector.stats import ConnectorStats
+from kvlink.layout.geometry import WorkerGeometry, build_worker_geometry
+from kvlink.layout.spec import ModelSpec
+from kvlink.plan.tp_mapping import compute_tp_mapping
+from kvlink.transfer.agent import NixlAgent
+from kvlink.transfer.agent_config import AgentConfig
+from kvlink.transfer.inflight import InflightTracker
+from kvlink.transfer.side_channel import HandshakeServer
+from kvlink.transfer.wire import PROTOCOL_VERSION, HandshakePayload
+from kvlink.transfer.xfer import TransferFailed
+
+log = logging.getLogger("kvlink.connector")
+
+
+class NixlWorker(ConnectorWorker):
+    def __init__(
+        self, config: ConnectorConfig, model: ModelSpec, tp_size: int, tp_rank: int,
+        block_size: int, kernel_block_size: int, num_blocks: int,
+        agent_config: AgentConfig | None = None, clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.tp_size, self.tp_rank = tp_size, tp_rank
+        self.block_size, self.kernel_block_size, self.num_blocks = block_size, kernel_block_size, num_blocks
+        self._agent_config = agent_config
+        self._clock = clock
+        self.stats = ConnectorStats()
+        self.leases = LeaseTable(config.lease_s, config.lease_extension_s)
+        self.handshakes = HandshakeRunner(config.handshake_timeout_s, config.secret)
+        self.engines: dict[str, RemoteEngine] = {}
+        self.book = LoadBook()
+        self._waiting: list[tuple[str, dict[str, Any]]] = []
+        self._out = WorkerOutput()
+        self.geometry: WorkerGeometry | None = None
+        self.agent: NixlAgent | None = None
+        self.server: HandshakeServer | None = None
+        self.inflight: InflightTracker | None = None
+        self.push: PushWriter | None = None
+
+    # ---- registration -------------------------------------------------------------------
+    def register_kv_caches(self, base_addrs: Sequence[int], nbytes: Sequence[int]) -> None:
+        geometry = build_worker_geometry(
+            self.model, self.tp_size, self.tp_rank, self.block_size, self.kernel_block_size,
+            self.num_blocks, base_addrs)
+        for region, n in zip(geometry.regions, nbytes, strict=True):
+            if region.page_stride * region.num_pages != n:
+                raise ValueError(f"layer {region.layer}: tensor has {n} bytes, layout expects "
+                                 f"{region.page_stride * region.num_pages}; allocate with kv_tensor_specs")
+        name = f"{self.config.engine_id}-r{self.tp_rank}-{uuid.uuid4().hex[:8]}"
+        agent = NixlAgent(name, self._agent_config)
+        agent.register_regions([(r.base, r.page_stride * r.num_pages) for r in geometry.regions])
+        port = self.config.side_channel_port + self.tp_rank if self.config.side_channel_port else 0
+        server = HandshakeServer(self.config.engine_id, host=self.config.side_channel_host,
+                                 port=port, secret=self.config.secret)
+        server.set_payload(self.tp_rank, HandshakePayload(
+            version=PROTOCOL_VERSION, engine_id=self.config.engine_id, tp_rank=self.tp_rank,
+            tp_size=self.tp_size, compat_hash=self.model.compat_hash(), agent_name=name,
+            agent_metadata=agent.metadata(), geometry=encode_geometry(geometry), sent_time=time.time()))
+        self.geometry, self.agent, self.server = geometry, agent, server
+        self.inflight = InflightTracker(agent, self.config.stall_timeout_s)
+        self.push = PushWriter(self, agent, geometry)
+        log.info("kvlink worker %s rank %d/%d: %d regions, %.1f MiB, side channel %s:%d",
+                 self.config.engine_id, self.tp_rank, self.tp_size, len(geometry.regions),
+                 sum(nbytes) / 2**20, server.host, server.port)
+
+    @property
+    def side_channel_port(self) -> int:
+        assert self.server is not None, "register_kv_caches first"
+        return int(self.server.port)
+
+    # ---- per step -----------------------------------------------------------------------
+    def start_load_kv(self, metadata: StepMetadata) -> None:
+        now = self._clock()
+        for save in metadata.saves:
+            self.leases.hold(save["request_id"], now)
+            assert self.push is not None
+            self.push.remember_blocks(save["request_id"], save["block_ids"])
+        for rid in metadata.frees:
+            self.leases.release(rid)
+        self._waiting += [("load", e) for e in metadata.loads]
+        self._waiting += [("notify", e) for e in metadata.notify_only]
+        self._waiting += [("heartbeat", e) for e in metadata.heartbeats if self._engine_known(e)]
+        self._advance()
+
+    def _engine_known(self, entry: dict[str, Any]) -> bool:
+        return entry["remote_engine_id"] in self.engines or self.handshakes.pending(_key(entry))
+
+    def _advance(self) -> None:
+        """Finish handshakes, then run every waiting entry whose engine is ready."""
+        for key, result in self.handshakes.take_done():
+            self._handshake_done(key, result)
+        still: list[tuple[str, dict[str, Any]]] = []
+        for kind, entry in self._waiting:
+            engine = self._engine_for(entry)
+            if engine is None:
+                still.append((kind, entry))
+                continue
+            engine.last_used = self._clock()
+            if kind == "load":
+                self._start_load(engine, entry)
+            else:
+                self._notify(engine, entry, kind)
+        self._waiting = still
+
+    def _engine_for(self, entry: dict[str, Any]) -> RemoteEngine | None:
+        engine = self.engines.get(entry["remote_engine_id"])
+        if engine is not None:
+            return engine
+        key = _key(entry)
+        if not self.handshakes.pending(key):
+            assert self.geometry is not None
+            ranks = compute_tp_mapping(self.model, self.tp_size, self.tp_rank,
+                                       entry["remote_tp_size"]).notify_ranks
+            self.handshakes.request(key, entry["remote_host"], entry["remote_port"],
+                                    entry["remote_engine_id"], ranks)
+        return None
+
+    def _handshake_done(self, key: Hashable, result: Payloads | BaseException) -> None:
+        engine_id = str(key[0]) if isinstance(key, tuple) else str(key)
+        if isinstance(result, BaseException):
+            self.stats.count("failed_handshakes_total")
+            log.warning("handshake with engine %s failed: %s", engine_id, result)
+            self._fail_waiting(engine_id, f"handshake failed: {result}")
+            return
+        assert self.agent is not None and self.geometry is not None
+        try:
+            self.engines[engine_id] = connect_reader(self.agent, self.geometry, engine_id, result)
+        except Exception as exc:  # incompatible layout, NIXL refusal: fail the requests, keep serving
+            self.stats.count("refused_peers_total")
+            log.error("refusing engine %s: %s", engine_id, exc)
+            self._fail_waiting(engine_id, f"remote engine refused: {exc}")
+
+    def _fail_waiting(self, engine_id: str, reason: str) -> None:
+        keep = []
+        for kind, entry in self._waiting:
+            if entry["remote_engine_id"] == engine_id:
+                self._give_up(kind, entry, reason)
+            else:
+                keep.append((kind, entry))
+        self._waiting = keep
+
+    def _give_up(self, kind: str, entry: dict[str, Any], reason: str) -> None:
+        if kind == "load":
+            self._fail_request(entry["request_id"], _all_blocks(entry), reason)
+        else:
+            self.stats.count("failed_notifications_total")
+
+    # ---- D side: loads ------------------------------------------------------------------
+    def _start_load(self, engine: RemoteEngine, entry: dict[str, Any]) -> None:
+        rid = entry["request_id"]
+        if entry.get("transfer_mode") == "push":
+            assert self.push is not None
+            self.push.request_push(engine, entry)
+            return
+        assert engine.plan is not None and self.agent is not None and self.inflight is not None
+        try:
+            specs = engine.plan.request_ids(entry["local_block_ids"], entry["remote_block_ids"],
+                                            entry["num_tokens"], entry["local_computed_tokens"])
+        except (ValueError, KeyError) as exc:
+            self._fail_request(rid, _all_blocks(entry), f"cannot plan request: {exc}")
+            return
+        load = self.book.start(rid, entry, _all_blocks(entry), self._clock())
+        for spec in specs:
+            done = encode(Done(entry["remote_request_id"], engine.expected[spec.src_rank]))
+            handles = engine.handles[spec.src_rank]
+            if not len(spec.local_idx):
+                self._send(handles.agent_name, done)
+                continue
+            try:
+                t = self.agent.post("READ", handles.local_handle, spec.local_idx,
+                                    handles.remote_handle, spec.remote_idx, done, tag=rid)
+            except TransferFailed as exc:
+                if not load.transfers and not entry.get("_retried"):
+                    # Likely a restarted peer behind stale metadata: forget it and handshake again.
+                    log.warning("READ for %s refused (%s); re-handshaking with %s once",
+                                rid, exc.reason, engine.engine_id)
+                    self.book.finish(rid)
+                    self._drop_engine(engine.engine_id)
+                    self._waiting.append(("load", {**entry, "_retried": True}))
+                    return
+                self._transfer_failed(load, engine, exc.reason)
+                return
+            load.transfers.append(t)
+            self.inflight.add(t)
+        self._notify(engine, entry, "notify", only_extra=True)
+        self._maybe_complete(load)
+
+    def _maybe_complete(self, load: Load) -> None:
+        if load.failed or any(not t.finished for t in load.transfers):
+            return
+        self.book.finish(load.request_id)
+        for t in load.transfers:
+            self.stats.record(load.record(t))
+        self._out.finished_recving.add(load.request_id)
+
+    def _transfer_failed(self, load: Load, engine: RemoteEngine | None, reason: str) -> None:
+        if load.failed:
+            return
+        assert self.inflight is not None and self.agent is not None
+        stalled = reason.startswith("stalled")
+        self.stats.count("stalled_transfers_total" if stalled else "failed_transfers_total")
+        for t in load.transfers:
+            if not t.finished:
+                self.agent.abort(t, reason)
+        if engine is not None and not stalled:
+            self._drop_engine(engine.engine_id)
+        self._fail_request(load.request_id, load.blocks, reason)
+
+    def _fail_request(self, rid: str, blocks: set[int], reason: str) -> None:
+        load = self.book.get(rid)
+        if load is not None:
+            load.failed = True
+            self.book.finish(rid)
+        log.warning("request %s failed to load (%d blocks invalid): %s", rid, len(blocks), reason)
+        self._out.failed_recving.add(rid)
+        self._out.invalid_block_ids |= blocks
+
+    def _drop_engine(self, engine_id: str) -> None:
+        engine = self.engines.pop(engine_id, None)
+        if engine is not None and self.agent is not None:
+            release_engine(self.agent, engine)
+
+    # ---- notifications ------------------------------------------------------------------
+    def _notify(self, engine: RemoteEngine, entry: dict[str, Any], kind: str, only_extra: bool = False) -> None:
+        mapping = compute_tp_mapping(self.model, self.tp_size, self.tp_rank, engine.tp_size)
+        if kind == "heartbeat":
+            msg = encode(Heartbeat(tuple(entry["remote_request_ids"])))
+            targets = mapping.notify_ranks
+        else:
+            targets = mapping.notify_only_ranks if only_extra else mapping.notify_ranks
+            if not only_extra:
+                self.stats.count("notify_only_total")
+        for rank, name in engine.notify_agents(targets):
+            if kind != "heartbeat":
+                msg = encode(Done(entry["remote_request_id"], engine.expected[rank]))
+            self._send(name, msg)
+
+    def _send(self, agent_name: str, msg: bytes) -> None:
+        assert self.agent is not None
+        try:
+            self.agent.send_notif(agent_name, msg)
+        except TransferFailed as exc:
+            self.stats.count("failed_notifications_total")
+            log.warning("notification to %s failed: %s", agent_name, exc.reason)
+
+    def _drain_notifs(self, now: float) -> None:
+        assert self.agent is not None and self.push is not None
+        for sender, messages in self.agent.get_notifs().items():
+            for raw in messages:
+                try:
+                    msg = decode(raw)
+                except BadNotification as exc:
+                    self.stats.count("bad_notifications_total")
+                    log.warning("dropping notification from %s: %s", sender, exc)
+                    continue
+                if isinstance(msg, Done):
+                    self.leases.notify(msg.request_id, msg.expected, now)
+                elif isinstance(msg, Heartbeat):
+                    self.leases.heartbeat(list(msg.request_ids), now)
+                elif isinstance(msg, PushRequest):
+                    self.push.on_push_request(msg, now)
+                elif isinstance(msg, Pushed):
+                    self.push.on_pushed(msg.request_id, sender)
+
+    # ---- polling ------------------------------------------------------------------------
+    def get_finished(self) -> WorkerOutput:
+        if self.agent is None or self.inflight is None or self.push is None:
+            return WorkerOutput()
+        now = self._clock()
+        self._drain_notifs(now)
+        self._advance()
+        result = self.inflight.poll_all(now)
+        for t in result.failed:
+            load = self.book.get(str(t.tag))
+            if load is not None:
+                self._transfer_failed(load, self.engines.get(load.entry["remote_engine_id"]),
+                                      t.failure or "transfer failed")
+            else:
+                self.push.on_transfer_failed(t)
+        for t in result.done:
+            load = self.book.get(str(t.tag))
+            if load is not None:
+                self._maybe_complete(load)
+            else:
+                self.push.on_transfer_done(t, now)
+        self.push.poll(now)
+        done, expired = self.leases.collect(now)
+        self.stats.counters["expired_leases_total"] = self.leases.expired_total
+        for rid in expired:
+            log.warning("lease of request %s expired before every consumer read it; freeing", rid)
+        for rid in done | expired:
+            self.push.forget_blocks(rid)
+        self._out.finished_sending |= done | expired
+        self._evict_idle(now)
+        out, self._out = self._out, WorkerOutput()
+        return out
+
+    def _evict_idle(self, now: float) -> None:
+        busy = {load.entry["remote_engine_id"] for load in self.book.loads.values()}
+        busy |= {entry["remote_engine_id"] for _, entry in self._waiting}
+        for engine_id, engine in list(self.engines.items()):
+            if engine_id not in busy and now - engine.last_used > self.config.engine_ttl_s:
+                log.info("evicting idle remote engine %s", engine_id)
+                self._drop_engine(engine_id)
+
+    def has_inflight(self) -> bool:
+        return bool(self.book.loads or self._waiting or self.leases.leases)
+
+    def get_stats(self) -> dict[str, Any]:
+        return self.stats.take()
+
+    def debug_state(self) -> dict[str, Any]:
+        return {
+            "leases": len(self.leases.leases),
+            "loads_in_flight": len(self.book.loads),
+            "open_transfers": len(self.inflight) if self.inflight is not None else 0,
+            "waiting_for_handshake": len(self._waiting),
+            "remote_engines": sorted(self.engines),
+        }
+
+    def shutdown(self) -> None:
+        self.handshakes.shutdown()
+        if self.server is not None:
+            self.server.close()
+        if self.agent is not None:
+            if self.inflight is not None:
+                self.inflight.abort_all("shutdown")
+            for engine_id in list(self.engines):
+                self._drop_engine(engine_id)
+            if self.push is not None:
+                self.push.shutdown()
+            self.agent.close()
+            self.agent = None
+
+
+def _key(entry: dict[str, Any]) -> tuple[str, str, int]:
+    return (entry["remote_engine_id"], entry["remote_host"], int(entry["remote_port"]))
+
+
+def _all_blocks(entry: dict[str, Any]) -> set[int]:
+    return {int(b) for ids in entry.get("local_block_ids", []) for b in ids}

@@ -1,0 +1,75 @@
+"""Connector workers over real NIXL inside one process: P holds, D pulls, bytes match, P frees."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import sim
+from kvmem import real_worker, region_sizes
+
+from kvlink.connector.api import StepMetadata, WorkerOutput
+from kvlink.connector.config import ConnectorConfig
+from kvlink.connector.worker import NixlWorker
+from kvlink.layout.presets import TINY_HYBRID
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def poll_until(workers: list[NixlWorker], cond, timeout_s: float = 10.0) -> list[WorkerOutput]:
+    outs: list[WorkerOutput] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for w in workers:
+            outs.append(w.get_finished())
+        if cond(outs):
+            return outs
+        time.sleep(0.001)
+    raise AssertionError("condition not reached before the deadline")
+
+
+def test_pull_hybrid_tp1_bytes_match_and_p_frees() -> None:
+    model = TINY_HYBRID
+    p_mem = real_worker(model, 1, 0, 16, 16, 32, seed=1)
+    d_mem = real_worker(model, 1, 0, 16, 8, 32, seed=2)
+    p = NixlWorker(ConnectorConfig("P", side_channel_port=0), model, 1, 0, 16, 16, 32)
+    d = NixlWorker(ConnectorConfig("D", side_channel_port=0), model, 1, 0, 16, 8, 32)
+    try:
+        p.register_kv_caches(*region_sizes(p_mem))
+        d.register_kv_caches(*region_sizes(d_mem))
+        n = 40
+        rng = np.random.default_rng(3)
+        logical = sim.make_logical(model, n, rng)
+        p_ids = [np.array([5, 9, 2], dtype=np.int64), np.array([7], dtype=np.int64)]
+        d_ids = [np.array([11, 3, 30], dtype=np.int64), np.array([4], dtype=np.int64)]
+        tokens = [np.arange(n - 1), np.arange(0)]
+        sim.store(p_mem, logical, p_ids, tokens)
+        p.start_load_kv(StepMetadata(saves=[{"request_id": "p1", "block_ids": [x.tolist() for x in p_ids]}]))
+        load = {
+            "request_id": "d1", "remote_request_id": "p1", "remote_engine_id": "P",
+            "remote_host": "127.0.0.1", "remote_port": p.side_channel_port, "remote_tp_size": 1,
+            "remote_block_ids": [x.tolist() for x in p_ids], "transfer_mode": "pull",
+            "local_block_ids": [x.tolist() for x in d_ids], "local_computed_tokens": 0,
+            "num_tokens": n - 1,
+        }
+        before = d_mem.data.copy()
+        d.start_load_kv(StepMetadata(loads=[load]))
+        outs = poll_until([d, p], lambda o: any("d1" in x.finished_recving for x in o)
+                          and any("p1" in x.finished_sending for x in o))
+        assert not any(x.failed_recving for x in outs)
+        got = sim.load(d_mem, d_ids, tokens, 0)
+        want = sim.expected_for(d_mem, logical, tokens)
+        for layer, rows in want.rows.items():
+            assert np.array_equal(got.rows[layer], rows)
+        for key, state in want.ssm.items():
+            assert np.array_equal(got.ssm[key], state)
+        outside = ~sim.destination_mask(d_mem, d_ids)
+        assert np.array_equal(d_mem.data[outside], before[outside])
+        stats = d.get_stats()
+        assert stats["counters"]["transfers_total"] == 1
+        assert stats["counters"]["bytes_total"] > 0
+        assert not p.leases.leases
+    finally:
+        d.shutdown()
+        p.shutdown()
