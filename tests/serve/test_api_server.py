@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
+import httpx
+import pytest
 from fastapi.testclient import TestClient
-from serve_fakes import FakeEngine
+from serve_fakes import FakeEngine, serve_in_thread
 
 
 def _events(response: Any) -> list[Any]:
@@ -101,3 +104,16 @@ def test_models_health_metrics_and_debug_state(fake_app: Any) -> None:
     assert "kvlink_server_inter_token_latency_seconds_count 1" in metrics
     assert 'kvlink_server_engine_free_blocks{key="0"} 100' in metrics
     assert state["engine"]["running"] == 0
+
+
+def test_client_gone_before_non_stream_answer_aborts_the_request(
+    fake_app: Any, fake_engine: FakeEngine
+) -> None:
+    with serve_in_thread(fake_app) as url:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/completions", json={"prompt": "slow", "max_tokens": 60}, timeout=0.3)
+        deadline = time.monotonic() + 3
+        while not fake_engine.aborted:
+            assert time.monotonic() < deadline, "the request kept running after its client left"
+            time.sleep(0.05)
+    assert not fake_engine.running

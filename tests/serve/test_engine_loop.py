@@ -104,7 +104,7 @@ def test_output_arriving_after_abort_is_dropped(
     async_engine: AsyncEngine, fake_engine: FakeEngine
 ) -> None:
     async def main() -> None:
-        outputs = async_engine.generate("early", _ids("x"), FakeSampling(50))
+        outputs = async_engine.generate("early", _ids("slow"), FakeSampling(50))
         await outputs.__anext__()
         await outputs.aclose()  # the client went away after one token
         await _wait_until(lambda: "early" in fake_engine.aborted)
