@@ -1,0 +1,35 @@
+"""The models the reference engine serves, by name, as `PagedModel`s of one TP rank."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kvlink.engine.model.base import PagedModel
+
+MODEL_NAMES = ("smollm2-135m", "tiny-hybrid")
+Progress = Callable[[str], None]
+AllReduce = Callable[[torch.Tensor], None]
+
+
+def load_model(
+    name: str, tp_rank: int = 0, tp_size: int = 1, all_reduce: AllReduce | None = None,
+    progress: Progress = print,
+) -> tuple[PagedModel, int]:
+    """The model `name` (rank `tp_rank` of `tp_size`) and the longest sequence it supports."""
+    from kvlink.engine.model import LlamaModel, load_config, load_weights, smollm2_gguf_path
+    from kvlink.engine.model.base import LlamaPagedModel
+    from kvlink.engine.model.tiny_hybrid import TinyHybridModel
+
+    if name == "smollm2-135m":
+        path = smollm2_gguf_path()
+        progress(f"reading SmolLM2-135M weights from {path} (rank {tp_rank}/{tp_size})")
+        config = load_config(path)
+        model = LlamaModel(config, load_weights(path), tp_rank=tp_rank, tp_size=tp_size,
+                           all_reduce=all_reduce)
+        return LlamaPagedModel(model), config.max_position
+    if name == "tiny-hybrid":
+        progress(f"building tiny-hybrid: attention + Mamba2, seeded weights (rank {tp_rank}/{tp_size})")
+        return TinyHybridModel(tp_rank=tp_rank, tp_size=tp_size, all_reduce=all_reduce), 1 << 30
+    raise ValueError(f"unknown model {name!r}; expected one of {', '.join(MODEL_NAMES)}")

@@ -1,0 +1,162 @@
+"""Tensor parallelism across processes: rank 0 drives, ranks 1.. mirror each call.
+
+Rank 0 runs the whole engine (scheduler, sampling) over its own model shard and
+connector worker, wrapped in `TPModel` and `TPConnectorWorker`. Every call on those
+is first broadcast (gloo, loopback) to the other ranks, which replay it on their own
+shard and worker (`follow`), so collectives inside the model line up. Connector
+outputs are gathered to rank 0 and a request only counts as sent/received once every
+rank has reported it (failed if any rank failed).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kvlink.connector.api import ConnectorWorker, StepMetadata, WorkerOutput
+from kvlink.engine.model.base import PagedModel
+
+# Followers wait in a broadcast while the server idles, so the timeout is long; they
+# also die with their parent (see tp_worker), so nothing is left waiting for good.
+IDLE_TIMEOUT = datetime.timedelta(hours=24)
+
+
+def init_group(rank: int, world_size: int, port: int) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=IDLE_TIMEOUT)
+
+
+def all_reduce(tensor: torch.Tensor) -> None:
+    dist.all_reduce(tensor)
+
+
+def _broadcast(command: tuple[Any, ...] | None) -> tuple[Any, ...]:
+    box = [command]
+    dist.broadcast_object_list(box, src=0)
+    assert box[0] is not None
+    return box[0]
+
+
+def _gather(value: Any) -> list[Any] | None:
+    out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(value, out, dst=0)
+    return out
+
+
+class TPModel:
+    """Rank 0's view of the sharded model: same `PagedModel` contract, every rank runs it."""
+
+    def __init__(self, local: PagedModel) -> None:
+        self.local = local
+        self.spec, self.vocab_size, self.eos_token_ids = local.spec, local.vocab_size, local.eos_token_ids
+        self.tp_rank, self.tp_size = local.tp_rank, local.tp_size
+
+    def forward(self, input_ids: torch.Tensor, start_pos: int, block_tables: list[torch.Tensor],
+                caches: list[torch.Tensor], *, block_size: int) -> torch.Tensor:
+        _broadcast(("forward", input_ids, start_pos, block_tables, block_size))
+        return self.local.forward(input_ids, start_pos, block_tables, caches, block_size=block_size)
+
+
+@dataclass
+class _Merge:
+    """Per-request reports from the ranks, until every rank has spoken."""
+
+    world: int
+    sent: dict[str, set[int]] = field(default_factory=dict)
+    recv: dict[str, set[int]] = field(default_factory=dict)
+    failed: set[str] = field(default_factory=set)
+    invalid: dict[str, set[int]] = field(default_factory=dict)
+
+    def add(self, rank: int, out: WorkerOutput) -> None:
+        for rid in out.finished_sending:
+            self.sent.setdefault(rid, set()).add(rank)
+        for rid in out.finished_recving | out.failed_recving:
+            self.recv.setdefault(rid, set()).add(rank)
+        self.failed |= out.failed_recving
+        for rid in out.failed_recving:
+            self.invalid.setdefault(rid, set()).update(out.invalid_block_ids)
+
+    def take(self) -> WorkerOutput:
+        out = WorkerOutput()
+        for rid in [r for r, ranks in self.sent.items() if len(ranks) == self.world]:
+            del self.sent[rid]
+            out.finished_sending.add(rid)
+        for rid in [r for r, ranks in self.recv.items() if len(ranks) == self.world]:
+            del self.recv[rid]
+            if rid in self.failed:
+                self.failed.discard(rid)
+                out.failed_recving.add(rid)
+                out.invalid_block_ids |= self.invalid.pop(rid, set())
+            else:
+                out.finished_recving.add(rid)
+        return out
+
+
+class TPConnectorWorker(ConnectorWorker):
+    """Rank 0's connector worker: its own rank's worker plus every follower's, merged."""
+
+    def __init__(self, local: ConnectorWorker, world_size: int) -> None:
+        self.local = local
+        self._merge = _Merge(world_size)
+
+    def register_kv_caches(self, base_addrs: Sequence[int], nbytes: Sequence[int]) -> None:
+        self.local.register_kv_caches(base_addrs, nbytes)  # followers registered their own at start
+
+    def start_load_kv(self, metadata: StepMetadata) -> None:
+        _broadcast(("start_load_kv", metadata))
+        self.local.start_load_kv(metadata)
+
+    def get_finished(self) -> WorkerOutput:
+        _broadcast(("get_finished",))
+        outs = _gather(self.local.get_finished())
+        assert outs is not None
+        for rank, out in enumerate(outs):
+            self._merge.add(rank, out)
+        return self._merge.take()
+
+    def get_stats(self) -> dict[str, Any]:
+        _broadcast(("get_stats",))
+        snaps = _gather(self.local.get_stats()) or []
+        merged: dict[str, Any] = {"counters": {}, "transfers": []}
+        for snap in snaps:
+            for name, value in snap.get("counters", {}).items():
+                merged["counters"][name] = merged["counters"].get(name, 0) + value
+            merged["transfers"] += snap.get("transfers", [])
+        return merged
+
+    def shutdown(self) -> None:
+        _broadcast(("shutdown",))
+        self.local.shutdown()
+
+
+def stop_followers() -> None:
+    """Tell followers to exit (engines without a connector; `TPConnectorWorker.shutdown` does it too)."""
+    _broadcast(("shutdown",))
+
+
+def follow(model: PagedModel, caches: list[torch.Tensor], worker: ConnectorWorker | None) -> None:
+    """A follower rank's loop: replay rank 0's calls until it says shutdown."""
+    while True:
+        command = _broadcast(None)
+        name = command[0]
+        if name == "forward":
+            _, input_ids, start_pos, tables, block_size = command
+            model.forward(input_ids, start_pos, tables, caches, block_size=block_size)
+        elif name == "start_load_kv":
+            if worker is not None:
+                worker.start_load_kv(command[1])
+        elif name == "get_finished":
+            _gather(worker.get_finished() if worker is not None else WorkerOutput())
+        elif name == "get_stats":
+            _gather(worker.get_stats() if worker is not None else {})
+        elif name == "shutdown":
+            if worker is not None:
+                worker.shutdown()
+            return
