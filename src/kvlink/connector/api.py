@@ -54,6 +54,8 @@ class WorkerOutput:
     finished_recving: set[str] = field(default_factory=set)
     failed_recving: set[str] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)
+    # Per finished load: {"kv_bytes", "kv_transfer_s", "kv_descriptors"} (for logs and responses).
+    transfer_figures: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 class ConnectorScheduler(abc.ABC):

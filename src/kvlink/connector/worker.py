@@ -221,9 +221,15 @@ class NixlWorker(ConnectorWorker):
         if load.failed or any(not t.finished for t in load.transfers):
             return
         self.book.finish(load.request_id)
-        for t in load.transfers:
-            self.stats.record(load.record(t))
+        records = [load.record(t) for t in load.transfers]
+        for rec in records:
+            self.stats.record(rec)
         self._out.finished_recving.add(load.request_id)
+        self._out.transfer_figures[load.request_id] = {
+            "kv_bytes": float(sum(r.nbytes for r in records)),
+            "kv_transfer_s": self._clock() - load.started,
+            "kv_descriptors": float(sum(r.descriptors for r in records)),
+        }
 
     def _transfer_failed(self, load: Load, engine: RemoteEngine | None, reason: str) -> None:
         if load.failed:

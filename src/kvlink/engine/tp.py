@@ -73,6 +73,7 @@ class _Merge:
     recv: dict[str, set[int]] = field(default_factory=dict)
     failed: set[str] = field(default_factory=set)
     invalid: dict[str, set[int]] = field(default_factory=dict)
+    figures: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def add(self, rank: int, out: WorkerOutput) -> None:
         for rid in out.finished_sending:
@@ -82,6 +83,10 @@ class _Merge:
         self.failed |= out.failed_recving
         for rid in out.failed_recving:
             self.invalid.setdefault(rid, set()).update(out.invalid_block_ids)
+        for rid, fig in out.transfer_figures.items():
+            merged = self.figures.setdefault(rid, {})
+            for key, value in fig.items():  # bytes add up over ranks; time is the slowest rank
+                merged[key] = max(merged.get(key, 0.0), value) if key.endswith("_s") else merged.get(key, 0.0) + value
 
     def take(self) -> WorkerOutput:
         out = WorkerOutput()
@@ -96,6 +101,8 @@ class _Merge:
                 out.invalid_block_ids |= self.invalid.pop(rid, set())
             else:
                 out.finished_recving.add(rid)
+            if rid in self.figures:
+                out.transfer_figures[rid] = self.figures.pop(rid)
         return out
 
 
