@@ -64,7 +64,7 @@ class _ThreadAllReduce:
     """In-place sum across `world` threads, one per simulated rank."""
 
     def __init__(self, world: int) -> None:
-        self.barrier = threading.Barrier(world)
+        self.barrier = threading.Barrier(world, timeout=30)
         self.slots: list[torch.Tensor | None] = [None] * world
 
     def for_rank(self, rank: int):  # type: ignore[no-untyped-def]
@@ -87,18 +87,26 @@ def test_tp_shards_match_unsharded(model: TinyHybridModel, tp_size: int) -> None
         TinyHybridModel(vocab_size=VOCAB, seed=3, tp_rank=r, tp_size=tp_size, all_reduce=reduce.for_rank(r))
         for r in range(tp_size)
     ]
-    results: list[torch.Tensor | None] = [None] * tp_size
+    results: list[torch.Tensor | BaseException | None] = [None] * tp_size
 
     def run_rank(rank: int) -> None:
-        results[rank] = _run(shards[rank], tokens, [10, 1])
+        try:
+            results[rank] = _run(shards[rank], tokens, [10, 1])
+        except BaseException as exc:  # a failing rank must not leave the others at the barrier
+            reduce.barrier.abort()
+            results[rank] = exc
 
     threads = [threading.Thread(target=run_rank, args=(r,)) for r in range(tp_size)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=60)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    causes = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
+    if errors:
+        raise (causes or errors)[0]
     for rank_logits in results:
-        assert rank_logits is not None
+        assert isinstance(rank_logits, torch.Tensor)
         torch.testing.assert_close(rank_logits, expected, atol=1e-4, rtol=1e-4)
 
 
