@@ -7,7 +7,7 @@ import torch
 
 from kvlink.engine.engine import LLMEngine
 from kvlink.engine.kv_cache import allocate_kv_caches
-from kvlink.engine.model.tiny_hybrid import TINY_HYBRID, TinyHybridModel
+from kvlink.engine.model.tiny_hybrid import TinyHybridModel
 from kvlink.engine.request import RequestOutput, SamplingParams
 from kvlink.layout.spec import FullAttention, ModelSpec
 
@@ -143,9 +143,3 @@ def test_prompt_larger_than_the_pool_fails_clearly(hybrid: TinyHybridModel) -> N
     assert "raise num_blocks" in (outputs["huge"][-1].error or "")
     assert len(tokens_of(outputs["fits"])) == 2
 
-
-def test_spec_is_the_planner_preset() -> None:
-    presets = pytest.importorskip("kvlink.plan.presets")
-    preset = presets.TINY_HYBRID
-    assert (preset.num_kv_heads, preset.head_dim, preset.dtype) == (4, 32, "float32")
-    assert (preset.groups, preset.layer_groups) == (TINY_HYBRID.groups, TINY_HYBRID.layer_groups)

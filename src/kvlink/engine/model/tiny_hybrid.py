@@ -17,19 +17,13 @@ import torch.nn.functional as F
 
 from kvlink.engine.model.base import kernel_block_table, physical_per_logical
 from kvlink.engine.paged_attention import paged_attention, rotate
+from kvlink.layout.presets import TINY_HYBRID
 from kvlink.layout.spec import FullAttention, Mamba2, ModelSpec
 from kvlink.layout.tensors import ssm_page_slices
 
 AllReduce = Callable[[torch.Tensor], None]
+__all__ = ["TINY_HYBRID", "TinyHybridModel"]
 
-TINY_HYBRID = ModelSpec(
-    name="tiny-hybrid",
-    num_kv_heads=4,
-    head_dim=32,
-    dtype="float32",
-    groups=(FullAttention(), Mamba2(num_heads=8, head_dim=16, n_groups=2, d_state=16, conv_kernel=4)),
-    layer_groups=(0, 1, 0, 1),
-)
 SMOLLM2_VOCAB = 49152
 SMOLLM2_EOS = 2  # <|im_end|>
 EPS = 1e-5
