@@ -32,7 +32,7 @@ from kvlink.connector.push import PushWriter
 from kvlink.connector.remote import RemoteEngine, connect_reader, encode_geometry, release_engine
 from kvlink.connector.stats import ConnectorStats
 from kvlink.layout.geometry import WorkerGeometry, build_worker_geometry
-from kvlink.layout.spec import ModelSpec
+from kvlink.layout.spec import ModelSpec, is_ssm
 from kvlink.plan.tp_mapping import compute_tp_mapping
 from kvlink.transfer.agent import NixlAgent
 from kvlink.transfer.agent_config import AgentConfig
@@ -109,10 +109,21 @@ class NixlWorker(ConnectorWorker):
             self.push.remember_blocks(save["request_id"], save["block_ids"])
         for rid in metadata.frees:
             self.leases.release(rid)
-        self._waiting += [("load", e) for e in metadata.loads]
+        self._waiting += [("load", self._local_tail(e)) for e in metadata.loads]
         self._waiting += [("notify", e) for e in metadata.notify_only]
         self._waiting += [("heartbeat", e) for e in metadata.heartbeats if self._engine_known(e)]
         self._advance()
+
+    def _local_tail(self, entry: dict[str, Any]) -> dict[str, Any]:
+        """The scheduler side hands over the whole block table (prefix hits first); the planner
+        wants each attention group's blocks from token `local_computed_tokens` on. SSM groups
+        keep their list: the state lives in its last block."""
+        skip = int(entry.get("local_computed_tokens", 0)) // self.block_size
+        if skip <= 0 or "local_block_ids" not in entry:
+            return entry
+        tail = [list(ids) if is_ssm(group) else list(ids)[skip:]
+                for group, ids in zip(self.model.groups, entry["local_block_ids"], strict=False)]
+        return {**entry, "local_block_ids": tail}
 
     def _engine_known(self, entry: dict[str, Any]) -> bool:
         return entry["remote_engine_id"] in self.engines or self.handshakes.pending(_key(entry))
