@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -149,3 +152,30 @@ def test_non_json_body_is_a_400() -> None:
     assert "not valid JSON" in response.json()["error"]["message"]
 
 
+
+
+def test_proxy_cli_serves_health_and_stops_on_sigterm() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "kvlink.cli.main", "proxy", "--prefill", "http://127.0.0.1:1",
+               "--decode", "http://127.0.0.1:2", "http://127.0.0.1:3", "--port", str(port)]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert process.poll() is None and time.monotonic() < deadline, "proxy did not start"
+            try:
+                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).json()
+                break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        assert [i["url"] for i in health["decode"]] == ["http://127.0.0.1:2", "http://127.0.0.1:3"]
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(5)
+            pytest.fail("the proxy ignored SIGTERM for 10s")

@@ -1,4 +1,4 @@
-"""`kvlink serve --role both --model tiny-hybrid` as a real process, driven by the openai client."""
+"""`kvlink serve --role both --model smollm2-135m` as a real process, driven by the openai client."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -16,6 +17,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
 
+MODEL = "smollm2-135m"  # one real model for all tests: a second server start costs ~10s
 NUM_BLOCKS = 32
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = NUM_BLOCKS * BLOCK_SIZE
@@ -27,11 +29,12 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[str]:
+@contextmanager
+def running_server(model: str) -> Iterator[str]:
+    """`kvlink serve` as a subprocess; yields its URL once /health answers; stopped by PID."""
     port = _free_port()
     command = [sys.executable, "-m", "kvlink.cli.main", "serve", "--role", "both",
-               "--model", "tiny-hybrid", "--port", str(port), "--num-blocks", str(NUM_BLOCKS),
+               "--model", model, "--port", str(port), "--num-blocks", str(NUM_BLOCKS),
                "--block-size", str(BLOCK_SIZE), "--threads", "1", "--request-timeout-s", "20"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -57,6 +60,12 @@ def server() -> Iterator[str]:
             process.wait(5)
 
 
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    with running_server(MODEL) as url:
+        yield url
+
+
 @pytest.fixture
 def client(server: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", timeout=30, max_retries=0)
@@ -76,14 +85,14 @@ def _assert_no_leaks(server: str) -> None:
 
 
 def test_greedy_completion_is_deterministic_and_counts_tokens(client: openai.OpenAI, server: str) -> None:
-    first = client.completions.create(model="tiny-hybrid", prompt="The capital of France is",
+    first = client.completions.create(model=MODEL, prompt="The capital of France is",
                                       max_tokens=8, temperature=0)
-    again = client.completions.create(model="tiny-hybrid", prompt="The capital of France is",
+    again = client.completions.create(model=MODEL, prompt="The capital of France is",
                                       max_tokens=8, temperature=0)
     assert first.choices[0].text == again.choices[0].text != ""
     assert first.choices[0].finish_reason == "length"
     assert first.usage is not None and first.usage.completion_tokens == 8
-    by_ids = client.completions.create(model="tiny-hybrid", prompt=[504, 3575, 282], max_tokens=3,
+    by_ids = client.completions.create(model=MODEL, prompt=[504, 3575, 282], max_tokens=3,
                                        temperature=0)
     assert by_ids.usage is not None and by_ids.usage.prompt_tokens == 3
     _assert_no_leaks(server)
@@ -91,9 +100,9 @@ def test_greedy_completion_is_deterministic_and_counts_tokens(client: openai.Ope
 
 def test_chat_stream_matches_non_stream(client: openai.OpenAI, server: str) -> None:
     messages = [{"role": "user", "content": "Say hi"}]
-    whole = client.chat.completions.create(model="tiny-hybrid", messages=messages, max_tokens=6,
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
                                            temperature=0)
-    stream = client.chat.completions.create(model="tiny-hybrid", messages=messages, max_tokens=6,
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
                                             temperature=0, stream=True)
     chunks = list(stream)
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -103,10 +112,10 @@ def test_chat_stream_matches_non_stream(client: openai.OpenAI, server: str) -> N
 
 
 def test_stop_string_truncates(client: openai.OpenAI) -> None:
-    text = client.completions.create(model="tiny-hybrid", prompt="Once upon a time", max_tokens=10,
+    text = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10,
                                      temperature=0).choices[0].text
     stop = text[len(text) // 2 : len(text) // 2 + 3]
-    cut = client.completions.create(model="tiny-hybrid", prompt="Once upon a time", max_tokens=10,
+    cut = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10,
                                     temperature=0, stop=[stop]).choices[0]
     assert cut.text == text[: text.find(stop)]
     assert cut.finish_reason == "stop"
@@ -135,3 +144,11 @@ def test_client_disconnect_frees_everything(server: str) -> None:
     metrics = httpx.get(f"{server}/metrics", timeout=5).text
     assert 'kvlink_server_requests_total{outcome="abort"}' in metrics
     assert "kvlink_server_time_to_first_token_seconds_count" in metrics
+
+
+def test_chat_answers_and_stops_at_eos(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16,
+                                            temperature=0)
+    assert "Paris" in (answer.choices[0].message.content or "")
+    assert answer.choices[0].finish_reason == "stop"
