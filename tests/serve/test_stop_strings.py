@@ -1,0 +1,32 @@
+"""Stop strings are cut even when split across pieces, and no part of one is ever emitted."""
+
+from __future__ import annotations
+
+from kvlink.serve.stop_strings import StopStringFilter
+
+
+def _run(stops: list[str], pieces: list[str]) -> tuple[str, bool]:
+    cut = StopStringFilter(stops)
+    text = "".join(cut.push(piece) for piece in pieces)
+    return text + cut.flush(), cut.stopped
+
+
+def test_stop_split_across_pieces_is_cut_before_it() -> None:
+    assert _run(["END"], ["hello E", "N", "D and more"]) == ("hello ", True)
+
+
+def test_held_prefix_is_released_when_it_turns_out_not_to_stop() -> None:
+    cut = StopStringFilter(["END"])
+    assert cut.push("an E") == "an "
+    assert cut.push("ND") == ""
+    assert cut.stopped
+
+    cut = StopStringFilter(["END"])
+    assert cut.push("an E") == "an "
+    assert cut.push("Xtra") == "EXtra"
+    assert cut.flush() == ""
+
+
+def test_earliest_of_several_stops_wins_and_text_ends_there() -> None:
+    assert _run(["cd", "b"], ["abcd"]) == ("a", True)
+    assert _run(["zz"], ["no stop here z"]) == ("no stop here z", False)
