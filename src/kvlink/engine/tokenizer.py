@@ -23,6 +23,11 @@ def _raise_template_error(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
+def _merge_pair(merge: str) -> tuple[str, str]:
+    left, right = merge.split(" ", 1)
+    return left, right
+
+
 @functools.lru_cache(maxsize=4)
 def _compile_template(source: str) -> jinja2.Template:
     # trim/lstrip match how Hugging Face renders chat templates, so prompts agree byte for byte.
@@ -46,7 +51,7 @@ class Tokenizer:
                 f"got {vocab.model!r}"
             )
         token_to_id = {token: index for index, token in enumerate(vocab.tokens)}
-        merges = [tuple(merge.split(" ", 1)) for merge in vocab.merges]
+        merges = [_merge_pair(merge) for merge in vocab.merges]
         backend = BackendTokenizer(models.BPE(vocab=token_to_id, merges=merges, fuse_unk=False))
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         backend.decoder = decoders.ByteLevel()

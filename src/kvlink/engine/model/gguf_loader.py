@@ -6,6 +6,7 @@ import functools
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -55,7 +56,7 @@ def _reader(path: str) -> gguf.GGUFReader:
     return gguf.GGUFReader(path)
 
 
-def _field(reader: gguf.GGUFReader, key: str, default: object = None) -> object:
+def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
     field = reader.fields.get(key)
     return default if field is None else field.contents()
 
@@ -66,7 +67,7 @@ def load_config(path: str | Path) -> LlamaConfig:
     if arch != "llama":
         raise ValueError(f"{path}: expected a GGUF with architecture 'llama', got {arch!r}")
 
-    def meta(key: str, default: object = None) -> object:
+    def meta(key: str, default: Any = None) -> Any:
         value = _field(reader, f"llama.{key}", default)
         if value is None:
             raise ValueError(f"{path}: GGUF lacks required key 'llama.{key}'")

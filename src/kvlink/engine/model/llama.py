@@ -24,6 +24,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class LlamaLayer(torch.nn.Module):
     """One decoder block holding this rank's slice of heads and MLP columns."""
 
+    attn_norm: torch.Tensor
+    wqkv: torch.Tensor
+    wo: torch.Tensor
+    ffn_norm: torch.Tensor
+    w_gate_up: torch.Tensor
+    w_down: torch.Tensor
+
     def __init__(
         self,
         config: LlamaConfig,
@@ -41,7 +48,7 @@ class LlamaLayer(torch.nn.Module):
         self.eps = config.rms_norm_eps
         q_size = self.num_heads * head_dim
         kv_size = self.num_kv_heads * head_dim
-        self.qkv_sizes = (q_size, kv_size, kv_size)
+        self.qkv_sizes = [q_size, kv_size, kv_size]
         self.ffn_size = config.intermediate_size // tp_size
 
         def rows(name: str, per_rank: int) -> torch.Tensor:
@@ -75,7 +82,7 @@ class LlamaLayer(torch.nn.Module):
         """This rank's partial attention output for every row of the batch (before all-reduce)."""
         rows = x.shape[0]
         h = rms_norm(x, self.attn_norm, self.eps)
-        q, k, v = F.linear(h, self.wqkv).split(self.qkv_sizes, dim=-1)
+        q, k, v = torch.split(F.linear(h, self.wqkv), self.qkv_sizes, dim=-1)
         q = rope.apply(q.view(rows, self.num_heads, self.head_dim), batch.positions)
         k = rope.apply(k.view(rows, self.num_kv_heads, self.head_dim), batch.positions)
         v = v.view(rows, self.num_kv_heads, self.head_dim)
@@ -102,7 +109,7 @@ class LlamaLayer(torch.nn.Module):
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial MLP output (before all-reduce)."""
         h = rms_norm(x, self.ffn_norm, self.eps)
-        gate, up = F.linear(h, self.w_gate_up).split(self.ffn_size, dim=-1)
+        gate, up = torch.split(F.linear(h, self.w_gate_up), self.ffn_size, dim=-1)
         return F.linear(F.silu(gate) * up, self.w_down)
 
 
@@ -115,6 +122,10 @@ class LlamaModel(torch.nn.Module):
     down projection, in the same order on every rank. Embedding and LM head
     are replicated.
     """
+
+    embedding: torch.Tensor
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor
 
     def __init__(
         self,
