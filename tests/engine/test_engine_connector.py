@@ -266,3 +266,15 @@ def test_abort_on_p_before_prefill_frees_at_once(model: TinyHybridModel) -> None
     assert connector.finished == [("x", True)]
     assert [(o.finish_reason, o.kv_transfer_params) for o in drain(p)["x"]] == [("abort", None)]
     assert_all_free(p)
+
+
+def test_one_token_prompt_on_p_runs_nothing_and_still_hands_over(model: TinyHybridModel) -> None:
+    connector, worker = FakeConnector(), CopyingWorker()
+    p = engine(model, connector, worker)
+    p.add_request("x", PROMPT[:1], SamplingParams(max_tokens=1), {"do_remote_decode": True})
+    out = p.step()
+    assert [(o.finish_reason, o.new_token_ids) for o in out] == [("length", [])]
+    assert out[0].kv_transfer_params is not None
+    worker.pending.finished_sending.add("x")
+    drain(p)
+    assert_all_free(p)

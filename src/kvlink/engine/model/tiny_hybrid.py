@@ -178,7 +178,8 @@ class TinyHybridModel:
                 raise ValueError(f"tiny hybrid supports full attention and mamba2 groups, got {group.kind!r}")
         self.norms = [init.uniform(hidden_size, 0.8, 1.2) for _ in self.mixers]
         self.final_norm = init.uniform(hidden_size, 0.8, 1.2)
-        self.logit_scale = 1.0 / math.sqrt(hidden_size)
+        # Untied: a tied head would mostly echo the current token, hiding the context's effect.
+        self.lm_head = init.linear(vocab_size, hidden_size)
         self._attention_layer = next(
             i for i, m in enumerate(self.mixers) if isinstance(m, AttentionMixer)
         )
@@ -207,4 +208,4 @@ class TinyHybridModel:
             if self._all_reduce is not None:
                 self._all_reduce(out)
             x = x + out
-        return F.linear(rms_norm(x, self.final_norm), self.embedding) * self.logit_scale
+        return F.linear(rms_norm(x, self.final_norm), self.lm_head)
