@@ -143,3 +143,13 @@ def test_prompt_larger_than_the_pool_fails_clearly(hybrid: TinyHybridModel) -> N
     assert "raise num_blocks" in (outputs["huge"][-1].error or "")
     assert len(tokens_of(outputs["fits"])) == 2
 
+
+
+def test_max_model_len_refuses_requests_up_front(hybrid: TinyHybridModel) -> None:
+    engine = LLMEngine(hybrid, 8, BLOCK, KERNEL_BLOCK, max_model_len=16)
+    with pytest.raises(ValueError, match="exceed max_model_len 16"):
+        engine.add_request("long", prompt(60, 10), SamplingParams(max_tokens=7))
+    engine.add_request("ok", prompt(60, 10), SamplingParams(max_tokens=6))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("ok", prompt(60, 3))
+    assert len(tokens_of(run_all(engine)["ok"])) == 6

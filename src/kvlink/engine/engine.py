@@ -38,8 +38,9 @@ class LLMEngine:
         *,
         max_num_seqs: int = 16,
         max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
     ) -> None:
-        self.model, self.num_blocks = model, num_blocks
+        self.model, self.num_blocks, self.max_model_len = model, num_blocks, max_model_len
         self.block_size, self.kernel_block_size = block_size, kernel_block_size
         self.connector, self.worker = connector_scheduler, connector_worker
         if load_failure_policy is None:
@@ -70,7 +71,13 @@ class LLMEngine:
     ) -> None:
         if request_id in self.requests or request_id in self.held:
             raise ValueError(f"request id {request_id!r} is already in use; ids must be unique")
-        request = Request(request_id, list(prompt_token_ids), params or SamplingParams(), kv_transfer_params)
+        params = params or SamplingParams()
+        if self.max_model_len is not None and len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {request_id!r}: {len(prompt_token_ids)} prompt tokens + max_tokens "
+                f"{params.max_tokens} exceed max_model_len {self.max_model_len}; shorten one of them"
+            )
+        request = Request(request_id, list(prompt_token_ids), params, kv_transfer_params)
         self.requests[request_id] = request
         if self.connector is not None:
             self.connector.on_new_request(request.view())
