@@ -1,8 +1,7 @@
-"""The engine drives a connector exactly through `connector.api`: remote prefill, failures, holds, aborts.
+"""Engine <-> connector API: remote prefill, load failures, held blocks, aborts (in-test fake connector).
 
-The connector here is an in-test fake (unit isolation): its worker "loads" by copying
-the request's blocks out of a colocated P engine's cache tensors, placed per
-`layout.kv_tensor_specs`, into the blocks D allocated.
+The fake worker "loads" by copying a colocated P engine's blocks (placed per
+`layout.kv_tensor_specs`) into the blocks D allocated.
 """
 
 from __future__ import annotations
@@ -34,30 +33,24 @@ PARAMS = SamplingParams(max_tokens=8)
 class FakeConnector(ConnectorScheduler):
     def __init__(self, policy: LoadFailurePolicy = "fail") -> None:
         self.load_failure_policy = policy
-        self.new: list[str] = []
-        self.loads: list[dict[str, Any]] = []
-        self.finished: list[tuple[str, bool]] = []
-        self.leases: set[str] = set()
+        self.new, self.finished = list[str](), list[tuple[str, bool]]()
+        self.loads, self.leases = list[dict[str, Any]](), set[str]()
 
     def on_new_request(self, request: RequestView) -> None:
         self.new.append(request.request_id)
 
     def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int, bool]:
-        if not (request.kv_transfer_params or {}).get("do_remote_prefill"):
-            return 0, False
-        return len(request.prompt_token_ids) - 1 - num_computed_tokens, True
+        remote = (request.kv_transfer_params or {}).get("do_remote_prefill")
+        return (len(request.prompt_token_ids) - 1 - num_computed_tokens, True) if remote else (0, False)
 
     def update_state_after_alloc(
         self, request: RequestView, block_ids: Sequence[Sequence[int]], num_external_tokens: int,
         num_computed_tokens: int,
     ) -> None:
         if num_external_tokens:
-            params = request.kv_transfer_params or {}
-            self.loads.append({
-                "request_id": request.request_id,
-                "local_block_ids": [list(b) for b in block_ids],
-                "remote_block_ids": params["remote_block_ids"],
-            })
+            remote = (request.kv_transfer_params or {})["remote_block_ids"]
+            self.loads.append({"request_id": request.request_id, "remote_block_ids": remote,
+                               "local_block_ids": [list(b) for b in block_ids]})
 
     def build_step_metadata(self) -> StepMetadata:
         metadata, self.loads = StepMetadata(loads=self.loads), []
@@ -78,8 +71,7 @@ class FakeConnector(ConnectorScheduler):
     def has_pending_work(self) -> bool:
         return bool(self.leases)
 
-    def shutdown(self) -> None:
-        pass
+    def shutdown(self) -> None: ...
 
 
 class CopyingWorker(ConnectorWorker):
@@ -87,9 +79,7 @@ class CopyingWorker(ConnectorWorker):
 
     def __init__(self, source: LLMEngine | None = None) -> None:
         self.source, self.local = source, list[torch.Tensor]()
-        self.fail: set[str] = set()
-        self.hold: set[str] = set()
-        self.pending = WorkerOutput()
+        self.fail, self.hold, self.pending = set[str](), set[str](), WorkerOutput()
         self.registered: tuple[list[int], list[int]] | None = None
 
     def register_kv_caches(self, base_addrs: Sequence[int], nbytes: Sequence[int]) -> None:
@@ -107,16 +97,12 @@ class CopyingWorker(ConnectorWorker):
             self.pending.finished_recving.add(request_id)
 
     def get_finished(self) -> WorkerOutput:
-        out = WorkerOutput(
-            self.pending.finished_sending, self.pending.finished_recving - self.hold,
-            self.pending.failed_recving - self.hold, self.pending.invalid_block_ids,
-        )
-        self.pending = WorkerOutput(set(), self.pending.finished_recving & self.hold,
-                                    self.pending.failed_recving & self.hold, set())
-        return out
+        done, held = self.pending, self.hold
+        self.pending = WorkerOutput(set(), done.finished_recving & held, done.failed_recving & held)
+        return WorkerOutput(done.finished_sending, done.finished_recving - held,
+                            done.failed_recving - held, done.invalid_block_ids)
 
-    def shutdown(self) -> None:
-        pass
+    def shutdown(self) -> None: ...
 
 
 def copy_blocks(source: LLMEngine, local: list[torch.Tensor], remote: list[list[int]], mine: list[list[int]]) -> None:
@@ -147,7 +133,7 @@ def drain(eng: LLMEngine, max_steps: int = 100) -> dict[str, list[RequestOutput]
     for _ in range(max_steps):
         if not eng.has_unfinished():
             break
-        for output in eng.step():
+        for output in eng.step():  # every step, integrity: no overlap, no leak, exact ref counts
             outputs.setdefault(output.request_id, []).append(output)
         eng.check_integrity()
     return outputs
@@ -164,17 +150,17 @@ def assert_all_free(*engines: LLMEngine) -> None:
         assert not eng.has_unfinished()
 
 
-def prefill_on_p(model: TinyHybridModel) -> tuple[LLMEngine, FakeConnector, CopyingWorker, dict[str, Any]]:
-    """Run the P side; returns P (blocks still held under the lease) and the params for D."""
-    connector, worker = FakeConnector(), CopyingWorker()
-    p = engine(model, connector, worker)
+def prefill_on_p(model: TinyHybridModel) -> tuple[LLMEngine, CopyingWorker, dict[str, Any]]:
+    """Run the P side; returns P (blocks still held under the lease), its worker, the params for D."""
+    worker = CopyingWorker()
+    p = engine(model, FakeConnector(), worker)
     p.add_request("burn", PROMPT[:3], SamplingParams(max_tokens=1))  # P's blocks differ from D's
     p.add_request("x", PROMPT, SamplingParams(max_tokens=1), {"do_remote_decode": True})
     out = drain(p, max_steps=3)["x"]
     assert [(o.finished, o.finish_reason, o.new_token_ids) for o in out] == [(True, "length", [])]
     assert out[0].kv_transfer_params is not None
     assert p.has_unfinished() and p.stats()["held_blocks"] == [2, 1]
-    return p, connector, worker, out[0].kv_transfer_params
+    return p, worker, out[0].kv_transfer_params
 
 
 @pytest.fixture(scope="module")
@@ -185,12 +171,11 @@ def colocated(model: TinyHybridModel) -> list[int]:
 
 
 def test_remote_prefill_decodes_like_colocated(model: TinyHybridModel, colocated: list[int]) -> None:
-    p, _, p_worker, params = prefill_on_p(model)
+    p, p_worker, params = prefill_on_p(model)
     connector, worker = FakeConnector(), CopyingWorker(source=p)
     d = engine(model, connector, worker)
     assert worker.registered is not None and len(worker.registered[0]) == model.spec.num_layers
-    fed: list[int] = []
-    forward = model.forward
+    fed, forward = list[int](), model.forward
     d.runner.model = type("Spy", (), {"forward": staticmethod(lambda ids, *a, **k: fed.append(len(ids)) or forward(ids, *a, **k))})()  # type: ignore[assignment]
     d.add_request("x", PROMPT, PARAMS, params)
     assert tokens(drain(d)["x"]) == colocated
@@ -201,37 +186,28 @@ def test_remote_prefill_decodes_like_colocated(model: TinyHybridModel, colocated
     assert_all_free(p, d)
 
 
-def test_failed_load_with_policy_fail_reports_an_error(model: TinyHybridModel) -> None:
-    p, _, p_worker, params = prefill_on_p(model)
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_failed_load_follows_the_policy(model: TinyHybridModel, colocated: list[int], policy: LoadFailurePolicy) -> None:
+    p, p_worker, params = prefill_on_p(model)
     worker = CopyingWorker(source=p)
     worker.fail.add("x")
-    d = engine(model, FakeConnector("fail"), worker)
+    d = engine(model, FakeConnector(policy), worker)
     d.add_request("x", PROMPT, PARAMS, params)
     out = drain(d)["x"]
-    assert [(o.finished, o.finish_reason) for o in out] == [(True, "error")]
-    assert "load_failure_policy" in (out[0].error or "") and "'x'" in (out[0].error or "")
-    p_worker.pending.finished_sending.add("x")
-    drain(p)
-    assert_all_free(p, d)
-
-
-def test_failed_load_with_policy_recompute_prefills_locally(model: TinyHybridModel, colocated: list[int]) -> None:
-    p, _, p_worker, params = prefill_on_p(model)
-    worker = CopyingWorker(source=p)
-    worker.fail.add("x")
-    d = engine(model, FakeConnector("recompute"), worker)
-    d.add_request("x", PROMPT, PARAMS, params)
-    assert tokens(drain(d)["x"]) == colocated
+    if policy == "recompute":  # prefilled locally, same tokens as a colocated run
+        assert tokens(out) == colocated and out[-1].finish_reason == "length"
+    else:
+        assert [(o.finished, o.finish_reason) for o in out] == [(True, "error")]
+        assert "load_failure_policy" in (out[0].error or "") and "'x'" in (out[0].error or "")
     p_worker.pending.finished_sending.add("x")
     drain(p)
     assert_all_free(p, d)
 
 
 def test_held_blocks_stay_out_of_reach_until_finished_sending(model: TinyHybridModel) -> None:
-    p, _, p_worker, _ = prefill_on_p(model)
+    p, p_worker, _ = prefill_on_p(model)
     held = p.stats()["held_blocks"]
-    for _ in range(3):
-        p.step()
+    assert all(p.step() == [] for _ in range(3))
     assert p.stats()["held_blocks"] == held and p.has_unfinished()
     assert p.stats()["free_blocks"] == [NUM_BLOCKS - held[0], NUM_BLOCKS - held[1]]
     p_worker.pending.finished_sending.add("x")
@@ -240,7 +216,7 @@ def test_held_blocks_stay_out_of_reach_until_finished_sending(model: TinyHybridM
 
 
 def test_abort_while_loading_holds_blocks_until_the_load_ends(model: TinyHybridModel) -> None:
-    p, _, p_worker, params = prefill_on_p(model)
+    p, p_worker, params = prefill_on_p(model)
     connector, worker = FakeConnector(), CopyingWorker(source=p)
     worker.hold.add("x")
     d = engine(model, connector, worker)
@@ -258,23 +234,17 @@ def test_abort_while_loading_holds_blocks_until_the_load_ends(model: TinyHybridM
     assert_all_free(p, d)
 
 
-def test_abort_on_p_before_prefill_frees_at_once(model: TinyHybridModel) -> None:
-    connector = FakeConnector()
-    p = engine(model, connector, CopyingWorker())
-    p.add_request("x", PROMPT, SamplingParams(max_tokens=1), {"do_remote_decode": True})
-    assert p.abort("x")
-    assert connector.finished == [("x", True)]
-    assert [(o.finish_reason, o.kv_transfer_params) for o in drain(p)["x"]] == [("abort", None)]
-    assert_all_free(p)
-
-
-def test_one_token_prompt_on_p_runs_nothing_and_still_hands_over(model: TinyHybridModel) -> None:
+def test_p_requests_that_compute_nothing(model: TinyHybridModel) -> None:
+    """Aborted before its prefill: freed at once, no lease. A 1-token prompt: handed over as is."""
     connector, worker = FakeConnector(), CopyingWorker()
     p = engine(model, connector, worker)
-    p.add_request("x", PROMPT[:1], SamplingParams(max_tokens=1), {"do_remote_decode": True})
-    out = p.step()
-    assert [(o.finish_reason, o.new_token_ids) for o in out] == [("length", [])]
-    assert out[0].kv_transfer_params is not None
-    worker.pending.finished_sending.add("x")
+    p.add_request("aborted", PROMPT, SamplingParams(max_tokens=1), {"do_remote_decode": True})
+    p.add_request("tiny", PROMPT[:1], SamplingParams(max_tokens=1), {"do_remote_decode": True})
+    assert p.abort("aborted") and connector.finished == [("aborted", True)]
+    out = {o.request_id: o for o in p.step()}
+    assert (out["aborted"].finish_reason, out["aborted"].kv_transfer_params) == ("abort", None)
+    assert (out["tiny"].finish_reason, out["tiny"].new_token_ids) == ("length", [])
+    assert out["tiny"].kv_transfer_params is not None
+    worker.pending.finished_sending.add("tiny")
     drain(p)
     assert_all_free(p)
