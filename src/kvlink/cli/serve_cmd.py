@@ -24,6 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per kernel block (default: --block-size)")
     parser.add_argument("--load-failure-policy", choices=("fail", "recompute"), default="fail")
     parser.add_argument("--transfer-mode", choices=("pull", "push"), default="pull")
+    parser.add_argument("--stall-timeout-s", type=float, default=10.0,
+                        help="a KV transfer with no progress for this long fails (its blocks are invalid)")
     parser.add_argument("--lease-s", type=float, default=30.0,
                         help="how long P keeps a finished request's blocks for D")
     parser.add_argument("--max-model-len", type=int, default=None,

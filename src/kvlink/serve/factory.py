@@ -1,20 +1,23 @@
-"""Builds what `kvlink serve` runs: the model, its tokenizer, and the engine over them.
+"""Builds what `kvlink serve` runs: the model, its tokenizer, the engine, and its connector.
 
-`build_engine(args)` takes the parsed `kvlink serve` arguments. Role `both` is a
-plain colocated engine. Roles `prefill` and `decode` need a connector, attached at
-the one marked place below.
+Role `both` is a plain colocated engine. Roles `prefill` and `decode` attach the NIXL
+connector (scheduler side + this rank's worker). With `--tp N` ranks 1..N-1 run in
+follower processes (`engine.tp_worker`) that mirror rank 0 over gloo.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvlink.engine.models import MODEL_NAMES, load_model
+
 Progress = Callable[[str], None]
-MODEL_NAMES = ("smollm2-135m", "tiny-hybrid")
+__all__ = ["MODEL_NAMES", "ServedEngine", "build_engine"]
 
 
 @dataclass
@@ -27,61 +30,92 @@ class ServedEngine:
     max_model_len: int
     connector_metrics: Callable[[], str] | None = None  # Prometheus text of the connector
     close: Callable[[], None] | None = None  # releases connector resources (agent, sockets)
+    debug_state: Callable[[], dict[str, Any]] | None = None  # connector state (leases, loads)
 
 
-def load_model(name: str, tp_rank: int, tp_size: int, progress: Progress) -> tuple[Any, int]:
-    """The `PagedModel` named `name` and the longest sequence it supports."""
-    from kvlink.engine.model import LlamaModel, load_config, load_weights, smollm2_gguf_path
-    from kvlink.engine.model.base import LlamaPagedModel
-    from kvlink.engine.model.tiny_hybrid import TinyHybridModel
+def _connector_config(args: argparse.Namespace) -> Any:
+    from kvlink.connector.config import ConnectorConfig
 
-    if name == "smollm2-135m":
-        path = smollm2_gguf_path()
-        progress(f"reading SmolLM2-135M weights from {path}")
-        config = load_config(path)
-        model = LlamaModel(config, load_weights(path), tp_rank=tp_rank, tp_size=tp_size)
-        return LlamaPagedModel(model), config.max_position
-    if name == "tiny-hybrid":
-        progress("building tiny-hybrid (attention + Mamba2, seeded random weights)")
-        return TinyHybridModel(tp_rank=tp_rank, tp_size=tp_size), 1 << 30
-    raise ValueError(f"unknown model {name!r}; expected one of {', '.join(MODEL_NAMES)}")
+    engine_id = args.engine_id or f"{args.role}-{uuid.uuid4().hex[:8]}"
+    return ConnectorConfig(
+        engine_id=engine_id, side_channel_host=args.host,
+        side_channel_port=args.kv_port if args.kv_port is not None else 0,
+        lease_s=args.lease_s, load_failure_policy=args.load_failure_policy,
+        transfer_mode=args.transfer_mode, secret=ConnectorConfig.secret_from_env(),
+        stall_timeout_s=getattr(args, "stall_timeout_s", 10.0),
+    )
 
 
 def build_engine(args: argparse.Namespace, progress: Progress = print) -> ServedEngine:
-    """Model + tokenizer + engine for `args.role`; prints progress while the model loads."""
+    """Model + tokenizer + engine (+ connector) for `args.role`; prints progress while loading."""
+    from kvlink.cli.launcher import free_port
+    from kvlink.connector.scheduler import NixlScheduler
+    from kvlink.connector.stats import PrometheusExporter
+    from kvlink.connector.tap import StatsTap
+    from kvlink.connector.worker import NixlWorker
     from kvlink.engine.engine import LLMEngine
     from kvlink.engine.model import smollm2_gguf_path
     from kvlink.engine.tokenizer import Tokenizer
+    from kvlink.engine.tp import TPConnectorWorker, TPModel, all_reduce, init_group, stop_followers
+    from kvlink.engine.tp_worker import launch_followers
 
     started = time.monotonic()
-    if args.tp != 1:
-        raise ValueError(
-            f"--tp {args.tp}: this build serves one worker rank per process; use --tp 1"
-        )
-    model, model_max_len = load_model(args.model, 0, args.tp, progress)
+    tp = args.tp
+    kernel_block_size = args.kernel_block_size or args.block_size
+    config = _connector_config(args) if args.role != "both" else None
+    followers: list[Any] = []
+    if tp > 1:
+        port = free_port()
+        progress(f"starting {tp - 1} follower rank process(es) for --tp {tp}")
+        followers = launch_followers(
+            {"model": args.model, "tp": tp, "port": port, "block_size": args.block_size,
+             "kernel_block_size": kernel_block_size, "num_blocks": args.num_blocks}, config)
+        init_group(0, tp, port)
+    model, model_max_len = load_model(args.model, 0, tp, all_reduce if tp > 1 else None, progress)
+    engine_model: Any = TPModel(model) if tp > 1 else model
     progress("loading the tokenizer")
     tokenizer = Tokenizer.from_gguf(smollm2_gguf_path())
-    kernel_block_size = args.kernel_block_size or args.block_size
-    connector_scheduler = connector_worker = None
-    connector_metrics: Callable[[], str] | None = None
-    close: Callable[[], None] | None = None
-    if args.role != "both":
-        # --- connector attachment point -------------------------------------------------
-        # Roles prefill/decode build the connector here from args (engine_id, kv_port,
-        # transfer_mode, lease_s, load_failure_policy) and set connector_scheduler,
-        # connector_worker, connector_metrics (PrometheusExporter.render) and close.
-        raise NotImplementedError(
-            f"--role {args.role} needs the NIXL connector, which this build does not attach "
-            "yet; run with --role both"
-        )
-    progress(f"allocating {args.num_blocks} KV blocks of {args.block_size} tokens")
-    engine = LLMEngine(
-        model, args.num_blocks, args.block_size, kernel_block_size,
-        connector_scheduler, connector_worker, args.load_failure_policy,
-    )
+    scheduler = worker = None
+    exporter = PrometheusExporter()
+    local_worker: NixlWorker | None = None
+    if config is not None:
+        scheduler = NixlScheduler(config, tp_size=tp)
+        local_worker = NixlWorker(config, model.spec, tp, 0, args.block_size, kernel_block_size,
+                                  args.num_blocks)
+        inner = TPConnectorWorker(local_worker, tp) if tp > 1 else local_worker
+        worker = StatsTap(inner, exporter)
+    progress(f"allocating {args.num_blocks} KV blocks of {args.block_size} tokens per group")
+    engine = LLMEngine(engine_model, args.num_blocks, args.block_size, kernel_block_size,
+                       scheduler, worker, args.load_failure_policy)
+    if scheduler is not None and local_worker is not None and config.side_channel_port == 0:
+        # An ephemeral side channel: advertise the port we actually got.
+        scheduler.config = config.__class__(**{**config.__dict__,
+                                               "side_channel_port": local_worker.side_channel_port})
     max_model_len = min(model_max_len, args.num_blocks * args.block_size)
     if args.max_model_len:
         max_model_len = min(max_model_len, args.max_model_len)
+
+    def metrics() -> str:
+        return exporter.render()
+
+    def close() -> None:
+        if worker is not None:
+            worker.shutdown()
+        elif tp > 1:
+            stop_followers()
+        for proc in followers:
+            try:
+                proc.wait(timeout=10)
+            except Exception:
+                proc.kill()
+
+    def debug_state() -> dict[str, Any]:
+        return local_worker.debug_state() if local_worker is not None else {}
+
+    if local_worker is not None:
+        progress(f"connector {config.engine_id}: KV side channel on "
+                 f"{args.host}:{local_worker.side_channel_port}, transfer mode {config.transfer_mode}")
     progress(f"model {args.model} ready in {time.monotonic() - started:.1f}s "
-             f"(max_model_len={max_model_len})")
-    return ServedEngine(engine, tokenizer, args.model, max_model_len, connector_metrics, close)
+             f"(tp={tp}, max_model_len={max_model_len})")
+    return ServedEngine(engine, tokenizer, args.model, max_model_len,
+                        metrics if config is not None else None, close, debug_state)
