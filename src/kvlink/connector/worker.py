@@ -246,7 +246,8 @@ class NixlWorker(ConnectorWorker):
         if load.failed:
             return
         assert self.inflight is not None and self.agent is not None
-        stalled = reason.startswith("stalled")
+        # The tracker's reason reaches us wrapped by NixlAgent.abort ("READ with X failed: stalled: ...").
+        stalled = reason.startswith("stalled") or " failed: stalled: " in reason
         self.stats.count("stalled_transfers_total" if stalled else "failed_transfers_total")
         for t in load.transfers:
             if not t.finished:
