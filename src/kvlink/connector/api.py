@@ -130,6 +130,10 @@ class ConnectorWorker(abc.ABC):
         """Accumulated transfer stats since the last call."""
         return {}
 
+    def debug_state(self) -> dict[str, Any]:
+        """Counts of leases, loads and open transfers (tests assert nothing leaks)."""
+        return {}
+
     @abc.abstractmethod
     def shutdown(self) -> None:
         """Release transfers, remote agents and registered memory."""

@@ -37,6 +37,9 @@ class StatsTap(ConnectorWorker):
     def get_stats(self) -> dict[str, Any]:
         return self.inner.get_stats()
 
+    def debug_state(self) -> dict[str, Any]:
+        return self.inner.debug_state()
+
     def shutdown(self) -> None:
         self.exporter.update(self.inner.get_stats())
         self.inner.shutdown()

@@ -60,6 +60,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         # Blocks of finished requests kept for the connector (P lease, or an aborted load in flight).
         self.held: dict[str, list[list[int]]] = {}
+        # Transfer figures of finished loads, reported with the request's next output.
+        self._figures: dict[str, dict[str, float]] = {}
         self._outputs: list[RequestOutput] = []
 
     def add_request(
@@ -121,6 +123,7 @@ class LLMEngine:
             "waiting_for_remote_kv": len(self.scheduler.parked),
             "held_requests": len(self.held),
             "held_blocks": [sum(len(t[g]) for t in self.held.values()) for g in range(len(self.pools))],
+            "connector": self.worker.debug_state() if self.worker is not None else {},
         }
 
     def check_integrity(self) -> None:
@@ -147,7 +150,7 @@ class LLMEngine:
             if reason is not None:
                 self._finish(request, reason, new_token_ids=[token])
             else:
-                self._outputs.append(RequestOutput(request.request_id, [token]))
+                self._outputs.append(self._with_figures(RequestOutput(request.request_id, [token])))
 
     def _stop_reason(self, request: Request, token: int) -> str | None:
         params = request.params
@@ -163,6 +166,9 @@ class LLMEngine:
         if output.invalid_block_ids:
             for pool in self.pools:
                 pool.invalidate(output.invalid_block_ids)
+        for request_id, figures in output.transfer_figures.items():
+            if request_id in self.requests:
+                self._figures[request_id] = figures
         done = output.finished_sending | output.finished_recving | output.failed_recving
         for request_id in done & self.held.keys():
             self.scheduler.free_blocks(self.held.pop(request_id))
@@ -199,6 +205,13 @@ class LLMEngine:
         else:
             self.scheduler.free_blocks(tables)
         del self.requests[request.request_id]
-        self._outputs.append(RequestOutput(
+        self._outputs.append(self._with_figures(RequestOutput(
             request.request_id, new_token_ids or [], True, reason, error, params
-        ))
+        )))
+
+    def _with_figures(self, output: RequestOutput) -> RequestOutput:
+        figures = self._figures.pop(output.request_id, None)
+        if figures is not None:
+            output.kv_bytes = int(figures.get("kv_bytes", 0))
+            output.kv_transfer_s = figures.get("kv_transfer_s")
+        return output

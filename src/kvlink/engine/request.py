@@ -48,6 +48,9 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    # Set on the first output after this request's KV was loaded from a remote engine.
+    kv_bytes: int | None = None
+    kv_transfer_s: float | None = None
 
 
 @dataclass(eq=False)

@@ -138,6 +138,10 @@ class TPConnectorWorker(ConnectorWorker):
             merged["transfers"] += snap.get("transfers", [])
         return merged
 
+    def debug_state(self) -> dict[str, Any]:
+        """Rank 0's worker state (followers mirror its requests)."""
+        return self.local.debug_state()
+
     def shutdown(self) -> None:
         _broadcast(("shutdown",))
         self.local.shutdown()
