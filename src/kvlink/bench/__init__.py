@@ -1,0 +1,1 @@
+"""Benchmarks that need library code: multi-process connector peers and their driver."""
