@@ -80,9 +80,10 @@ class LLMEngine:
                 f"{params.max_tokens} exceed max_model_len {self.max_model_len}; shorten one of them"
             )
         request = Request(request_id, list(prompt_token_ids), params, kv_transfer_params)
-        self.requests[request_id] = request
         if self.connector is not None:
+            # May refuse bad kv_transfer_params; the request must not be registered then.
             self.connector.on_new_request(request.view())
+        self.requests[request_id] = request
         self.scheduler.add(request)
 
     def abort(self, request_id: str) -> bool:
@@ -117,6 +118,7 @@ class LLMEngine:
     def stats(self) -> dict[str, Any]:
         return {
             "num_blocks": self.num_blocks,
+            "requests": len(self.requests),
             "free_blocks": [pool.num_free_blocks for pool in self.pools],
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
