@@ -46,6 +46,19 @@ class StepMetadata:
     heartbeats: list[dict[str, Any]] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class LoadFailure:
+    """Why one load failed.
+
+    `bad_params`: the request's `kv_transfer_params` name a peer or blocks that cannot be
+    used (side channel unreachable or serving another engine, incompatible layout, block
+    ids outside the peer's pool). Sending the same request again fails again.
+    """
+
+    reason: str
+    bad_params: bool = False
+
+
 @dataclass
 class WorkerOutput:
     """What one worker reports after a step; the engine merges them across TP ranks."""
@@ -56,6 +69,8 @@ class WorkerOutput:
     invalid_block_ids: set[int] = field(default_factory=set)
     # Per finished load: {"kv_bytes", "kv_transfer_s", "kv_descriptors"} (for logs and responses).
     transfer_figures: dict[str, dict[str, float]] = field(default_factory=dict)
+    # Per request in `failed_recving`, when the worker knows why (for the client's error).
+    load_failures: dict[str, LoadFailure] = field(default_factory=dict)
 
 
 class ConnectorScheduler(abc.ABC):

@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-from kvlink.connector.api import ConnectorWorker, StepMetadata, WorkerOutput
+from kvlink.connector.api import ConnectorWorker, LoadFailure, StepMetadata, WorkerOutput
 from kvlink.connector.config import ConnectorConfig
 from kvlink.connector.handshakes import HandshakeRunner, Payloads
 from kvlink.connector.lease import LeaseTable
@@ -184,7 +184,7 @@ class NixlWorker(ConnectorWorker):
 
     def _give_up(self, kind: str, entry: dict[str, Any], reason: str) -> None:
         if kind == "load":
-            self._fail_request(entry["request_id"], _all_blocks(entry), reason)
+            self._fail_request(entry["request_id"], _all_blocks(entry), reason, bad_params=True)
         else:
             self.stats.count("failed_notifications_total")
 
@@ -200,7 +200,8 @@ class NixlWorker(ConnectorWorker):
             specs = engine.plan.request_ids(entry["local_block_ids"], entry["remote_block_ids"],
                                             entry["num_tokens"], entry["local_computed_tokens"])
         except (ValueError, KeyError) as exc:
-            self._fail_request(rid, _all_blocks(entry), f"cannot plan request: {exc}")
+            self._fail_request(rid, _all_blocks(entry), f"cannot plan request: {exc}",
+                               bad_params=True)
             return
         load = self.book.start(rid, entry, _all_blocks(entry), self._clock())
         for spec in specs:
@@ -256,13 +257,14 @@ class NixlWorker(ConnectorWorker):
             self._drop_engine(engine.engine_id)
         self._fail_request(load.request_id, load.blocks, reason)
 
-    def _fail_request(self, rid: str, blocks: set[int], reason: str) -> None:
+    def _fail_request(self, rid: str, blocks: set[int], reason: str, bad_params: bool = False) -> None:
         load = self.book.get(rid)
         if load is not None:
             load.failed = True
             self.book.finish(rid)
         log.warning("request %s failed to load (%d blocks invalid): %s", rid, len(blocks), reason)
         self._out.failed_recving.add(rid)
+        self._out.load_failures.setdefault(rid, LoadFailure(reason, bad_params))
         self._out.invalid_block_ids |= blocks
 
     def _drop_engine(self, engine_id: str) -> None:

@@ -184,15 +184,23 @@ class LLMEngine:
                 self.scheduler.resume_after_load(request_id, loaded=False)
             else:
                 request.status = RequestStatus.WAITING  # the load has ended: nothing writes the blocks
-                self._finish(request, "error", error=(
+                failure = output.load_failures.get(request_id)
+                if failure is not None and failure.bad_params:
+                    self._finish(request, "error", error_kind="bad_kv_transfer_params", error=(
+                        f"cannot load the KV cache of request {request_id!r} with the given "
+                        f"kv_transfer_params: {failure.reason}"
+                    ))
+                    continue
+                why = f": {failure.reason}" if failure is not None else ""
+                self._finish(request, "error", error_kind="kv_load_failed", error=(
                     f"loading the KV cache of request {request_id!r} from the prefill instance "
-                    "failed and load_failure_policy is 'fail'; retry the request, or run the "
+                    f"failed{why}; load_failure_policy is 'fail': retry the request, or run the "
                     "decode instance with load_failure_policy='recompute' to prefill locally"
                 ))
 
     def _finish(
         self, request: Request, reason: str, *, error: str | None = None, aborted: bool = False,
-        new_token_ids: list[int] | None = None,
+        new_token_ids: list[int] | None = None, error_kind: str | None = None,
     ) -> None:
         """Leave every queue; free the blocks unless the connector still reads or writes them."""
         loading = request.status is RequestStatus.WAITING_FOR_REMOTE_KV
@@ -208,7 +216,8 @@ class LLMEngine:
             self.scheduler.free_blocks(tables)
         del self.requests[request.request_id]
         self._outputs.append(self._with_figures(RequestOutput(
-            request.request_id, new_token_ids or [], True, reason, error, params
+            request.request_id, new_token_ids or [], True, reason, error, params,
+            error_kind=error_kind,
         )))
 
     def _with_figures(self, output: RequestOutput) -> RequestOutput:

@@ -51,6 +51,8 @@ class RequestOutput:
     # Set on the first output after this request's KV was loaded from a remote engine.
     kv_bytes: int | None = None
     kv_transfer_s: float | None = None
+    # With `error`: "bad_kv_transfer_params" (the request's params cannot work) or "kv_load_failed".
+    error_kind: str | None = None
 
 
 @dataclass(eq=False)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kvlink.connector.api import ConnectorWorker, StepMetadata, WorkerOutput
+from kvlink.connector.api import ConnectorWorker, LoadFailure, StepMetadata, WorkerOutput
 from kvlink.engine.model.base import PagedModel
 
 # Followers wait in a broadcast while the server idles, so the timeout is long; they
@@ -74,6 +74,7 @@ class _Merge:
     failed: set[str] = field(default_factory=set)
     invalid: dict[str, set[int]] = field(default_factory=dict)
     figures: dict[str, dict[str, float]] = field(default_factory=dict)
+    failures: dict[str, LoadFailure] = field(default_factory=dict)
 
     def add(self, rank: int, out: WorkerOutput) -> None:
         for rid in out.finished_sending:
@@ -83,6 +84,8 @@ class _Merge:
         self.failed |= out.failed_recving
         for rid in out.failed_recving:
             self.invalid.setdefault(rid, set()).update(out.invalid_block_ids)
+        for rid, failure in out.load_failures.items():
+            self.failures.setdefault(rid, failure)
         for rid, fig in out.transfer_figures.items():
             merged = self.figures.setdefault(rid, {})
             for key, value in fig.items():  # bytes add up over ranks; time is the slowest rank
@@ -99,6 +102,8 @@ class _Merge:
                 self.failed.discard(rid)
                 out.failed_recving.add(rid)
                 out.invalid_block_ids |= self.invalid.pop(rid, set())
+                if rid in self.failures:
+                    out.load_failures[rid] = self.failures.pop(rid)
             else:
                 out.finished_recving.add(rid)
             if rid in self.figures:

@@ -41,7 +41,9 @@ def _as_api_error(error: Exception) -> APIError:
     if isinstance(error, EngineDead):
         return APIError(503, str(error), "engine_dead")
     if isinstance(error, GenerationFailed):
-        return APIError(500, f"generation failed: {error}", "generation_failed")
+        if error.kind == "bad_kv_transfer_params":
+            return APIError(400, str(error), "invalid_kv_transfer_params")
+        return APIError(500, f"generation failed: {error}", error.kind or "generation_failed")
     return APIError(500, f"internal error: {error!r}", "internal_error")
 
 
@@ -95,7 +97,7 @@ def build_app(
             await pieces.aclose()
         return JSONResponse(shape.full(
             "".join(texts), last.finish_reason, summary.prompt_tokens, summary.output_tokens,
-            last.kv_transfer_params,
+            last.kv_transfer_params, summary.figures(),
         ))
 
     @app.post("/v1/completions")
@@ -174,12 +176,17 @@ async def _stream(
     piece = first
     try:
         yield sse(shape.chunk(piece.text, piece.finish_reason, first=True,
-                              kv_transfer_params=piece.kv_transfer_params))
+                              kv_transfer_params=piece.kv_transfer_params,
+                              figures=summary.figures() if piece.finish_reason is not None else None))
         async for piece in pieces:
+            figures = summary.figures() if piece.finish_reason is not None else None
             yield sse(shape.chunk(piece.text, piece.finish_reason,
-                                  kv_transfer_params=piece.kv_transfer_params))
+                                  kv_transfer_params=piece.kv_transfer_params, figures=figures))
         if include_usage:
-            yield sse(shape.usage_chunk(summary.prompt_tokens, summary.output_tokens))
+            usage_chunk = shape.usage_chunk(summary.prompt_tokens, summary.output_tokens)
+            if summary.figures() is not None:
+                usage_chunk["kvlink"] = summary.figures()
+            yield sse(usage_chunk)
     except Exception as error:
         api_error = _as_api_error(error)
         yield sse(error_body(api_error.status, api_error.message, api_error.code))

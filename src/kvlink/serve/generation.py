@@ -21,7 +21,15 @@ logger = logging.getLogger("kvlink.serve")
 
 
 class GenerationFailed(Exception):
-    """The engine finished the request with an error (e.g. a failed KV load under policy fail)."""
+    """The engine finished the request with an error (e.g. a failed KV load under policy fail).
+
+    `kind` is the engine's `error_kind`: "bad_kv_transfer_params" means the request's
+    params can never work (the client's fault), anything else is the server's.
+    """
+
+    def __init__(self, message: str, kind: str | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass
@@ -42,6 +50,14 @@ class Summary:
     total_s: float = 0.0
     kv_bytes: int | None = None
     kv_transfer_s: float | None = None
+
+    def figures(self) -> dict[str, Any] | None:
+        """The non-standard `kvlink` object of the final answer: where the time to first token
+        went on this instance. Only when KV was loaded from a remote engine."""
+        if self.kv_bytes is None:
+            return None
+        return {"kv_bytes": self.kv_bytes, "kv_transfer_s": self.kv_transfer_s,
+                "ttft_s": self.ttft_s, "role": self.role}
 
     def log_line(self) -> str:
         ttft = "-" if self.ttft_s is None else f"{self.ttft_s * 1e3:.1f}ms"
@@ -99,7 +115,7 @@ async def generate_pieces(
                     summary.output_tokens += len(new_ids)
                 _transfer_figures(output, summary)
                 if output.error:
-                    raise GenerationFailed(str(output.error))
+                    raise GenerationFailed(str(output.error), getattr(output, "error_kind", None))
                 text = stops.push("".join(decoder.push(token) for token in new_ids))
                 if stops.stopped:
                     summary.finish_reason = "stop"
