@@ -4,6 +4,10 @@ For each request: P gets `max_tokens=1`, `stream=false` and
 `kv_transfer_params={"do_remote_decode": true}`; the `kv_transfer_params` of P's
 answer go, with the client's original body, to D; D's answer goes back to the
 client (SSE passed through unchanged). Instances are chosen least-loaded.
+
+The time spent at P goes back to the client as `x-kvlink-prefill-s` (every answer)
+and as `prefill_s` in D's `kvlink` figures object (JSON answers), so a client sees
+the whole split of its time to first token: P prefill, KV move, D's first token.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from kvlink.serve.errors import APIError, error_body, install_error_handlers
 from kvlink.serve.metrics import MetricsRegistry
 from kvlink.serve.upstream import Instance, InstancePool, status_error, transport_error
+
+PREFILL_HEADER = "x-kvlink-prefill-s"
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -68,20 +74,23 @@ def build_proxy_app(
                                 f"{response.text[:200]!r}", f"{side}_failed") from error
         return answer
 
-    async def run_prefill(path: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
+    async def run_prefill(path: str, body: dict[str, Any],
+                          headers: dict[str, str]) -> tuple[dict[str, Any], float]:
+        """P's `kv_transfer_params` and the seconds the prefill leg took."""
         started = time.monotonic()
         with prefill.acquire() as instance:
             answer = await post_json("prefill", instance, path, prefill_body(body), headers)
-        metrics.observe("prefill_seconds", time.monotonic() - started)
+        prefill_s = time.monotonic() - started
+        metrics.observe("prefill_seconds", prefill_s)
         params = answer.get("kv_transfer_params")
         if not isinstance(params, dict):
             raise APIError(502, f"prefill instance {instance.url} answered without "
                                 "kv_transfer_params; is it running with --role prefill?",
                            "prefill_failed")
-        return params
+        return params, prefill_s
 
     async def stream_decode(path: str, body: dict[str, Any], headers: dict[str, str],
-                            started: float) -> Response:
+                            started: float, prefill_s: float) -> Response:
         instance = decode.take()
         sent = time.monotonic()
         try:
@@ -118,7 +127,8 @@ def build_proxy_app(
                 decode.release(instance)
                 metrics.observe("total_seconds", time.monotonic() - started)
 
-        return StreamingResponse(passthrough(), media_type="text/event-stream")
+        return StreamingResponse(passthrough(), media_type="text/event-stream",
+                                 headers={PREFILL_HEADER: f"{prefill_s:.6f}"})
 
     async def route(raw: Request, path: str) -> Response:
         started = time.monotonic()
@@ -132,9 +142,10 @@ def build_proxy_app(
         if "authorization" in raw.headers:
             headers["Authorization"] = raw.headers["authorization"]
         try:
-            decode_request = dict(body, kv_transfer_params=await run_prefill(path, body, headers))
+            params, prefill_s = await run_prefill(path, body, headers)
+            decode_request = dict(body, kv_transfer_params=params)
             if body.get("stream"):
-                return await stream_decode(path, decode_request, headers, started)
+                return await stream_decode(path, decode_request, headers, started, prefill_s)
             sent = time.monotonic()
             with decode.acquire() as instance:
                 answer = await post_json("decode", instance, path, decode_request, headers)
@@ -144,7 +155,10 @@ def build_proxy_app(
             raise
         metrics.observe("total_seconds", time.monotonic() - started)
         metrics.inc("requests_total", outcome="ok")
-        return JSONResponse(answer)
+        figures = answer.get("kvlink")
+        if isinstance(figures, dict):
+            figures["prefill_s"] = prefill_s
+        return JSONResponse(answer, headers={PREFILL_HEADER: f"{prefill_s:.6f}"})
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:

@@ -1,7 +1,9 @@
 """Response bodies and SSE chunks for completions and chat completions, shaped like OpenAI's.
 
 `kv_transfer_params` rides at the top level of the final body or chunk, as vLLM
-puts it, so a P/D router reads P's answer without knowing anything else.
+puts it, so a P/D router reads P's answer without knowing anything else. A D
+instance that loaded the KV adds a non-standard `kvlink` object there too (KV bytes,
+transfer time, time to first token); OpenAI clients ignore unknown fields.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class ResponseShape:
 
     def full(
         self, text: str, finish_reason: str | None, prompt_tokens: int, completion_tokens: int,
-        kv_transfer_params: dict[str, Any] | None,
+        kv_transfer_params: dict[str, Any] | None, figures: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         if self.kind == "chat":
             body = self._envelope("chat.completion")
@@ -61,11 +63,13 @@ class ResponseShape:
         body["choices"] = [choice]
         body["usage"] = usage(prompt_tokens, completion_tokens)
         body["kv_transfer_params"] = kv_transfer_params
+        if figures is not None:
+            body["kvlink"] = figures
         return body
 
     def chunk(
         self, text: str | None, finish_reason: str | None = None, *, first: bool = False,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: dict[str, Any] | None = None, figures: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         if self.kind == "chat":
             body = self._envelope("chat.completion.chunk")
@@ -79,6 +83,8 @@ class ResponseShape:
         body["choices"] = [choice]
         if kv_transfer_params is not None:
             body["kv_transfer_params"] = kv_transfer_params
+        if figures is not None:
+            body["kvlink"] = figures
         return body
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
