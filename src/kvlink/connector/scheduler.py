@@ -45,6 +45,9 @@ class NixlScheduler(ConnectorScheduler):
 
     # ---- D side -------------------------------------------------------------------------
     def on_new_request(self, request: RequestView) -> None:
+        # Both flags are checked now: request_finished() runs inside the engine step, where a
+        # bad `do_remote_decode` would raise and stop the engine thread.
+        wants_remote_decode(request.kv_transfer_params)
         if wants_remote_prefill(request.kv_transfer_params):
             assert request.kv_transfer_params is not None
             params = parse_remote_prefill(request.kv_transfer_params)
