@@ -161,7 +161,9 @@ class PeerServer:
         msg = {"event": "output", "t": time.monotonic(),
                "finished_recving": sorted(out.finished_recving), "failed_recving": sorted(out.failed_recving),
                "finished_sending": sorted(out.finished_sending),
-               "invalid_block_ids": sorted(out.invalid_block_ids)}
+               "invalid_block_ids": sorted(out.invalid_block_ids),
+               "load_failures": {rid: getattr(f, "reason", str(f))
+                                 for rid, f in getattr(out, "load_failures", {}).items()}}
         for key, values in self.totals.items():
             values.extend(msg[key])  # type: ignore[arg-type]
         self._take_stats()

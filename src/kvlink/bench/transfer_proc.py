@@ -79,6 +79,7 @@ class PeerProcess:
         self.failed_recving: dict[str, float] = {}
         self.finished_sending: dict[str, float] = {}
         self.invalid_block_ids: set[int] = set()
+        self.load_failures: dict[str, str] = {}
         self._reader = threading.Thread(target=self._pump, name=f"peer-{name}", daemon=True)
         self._reader.start()
 
@@ -111,6 +112,8 @@ class PeerProcess:
                     for rid in msg.get(key, []):
                         book.setdefault(rid, t)
                 self.invalid_block_ids.update(int(b) for b in msg.get("invalid_block_ids", []))
+                for rid, reason in (msg.get("load_failures") or {}).items():
+                    self.load_failures.setdefault(rid, str(reason))
 
     # ---- commands -----------------------------------------------------------------------
     def wait_ready(self, timeout_s: float = 60.0) -> dict[str, Any]:
@@ -126,14 +129,10 @@ class PeerProcess:
         """Send one command and return its result; raises PeerError on error, death or timeout."""
         if self.proc.poll() is not None:
             raise PeerError(f"{self.name}: exited with {self.proc.returncode} before {cmd!r}")
-        self._next_id += 1
-        ident = self._next_id
-        assert self.proc.stdin is not None
-        try:
-            self.proc.stdin.write(json.dumps({"id": ident, "cmd": cmd, **args}) + "\n")
-            self.proc.stdin.flush()
-        except (BrokenPipeError, OSError) as exc:
-            raise PeerError(f"{self.name}: cannot send {cmd!r}: {exc}") from exc
+        return self.reply(self.send(cmd, **args), cmd, timeout_s)
+
+    def reply(self, ident: int, cmd: str = "command", timeout_s: float = 20.0) -> dict[str, Any]:
+        """Wait for the reply to command `ident` (sent with `send`)."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -219,6 +218,13 @@ class PeerProcess:
                     stream.close()
         if not isinstance(self._log, int):
             self._log.close()
+
+
+def call_all(peers: Sequence[PeerProcess], cmd: str, timeout_s: float = 60.0,
+             **args: Any) -> list[dict[str, Any]]:
+    """Send `cmd` to every peer first, then collect the replies (the peers work in parallel)."""
+    idents = [peer.send(cmd, **args) for peer in peers]
+    return [peer.reply(ident, cmd, timeout_s) for peer, ident in zip(peers, idents, strict=True)]
 
 
 def stop_all(peers: Iterable[PeerProcess]) -> None:

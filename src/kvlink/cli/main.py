@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 # `kvlink bench <name>`: one module per benchmark.
 BENCHES: dict[str, tuple[str, str]] = {
     "plan": ("kvlink.cli.bench_plan", "time per-request planning arrays"),
+    "transfer": ("kvlink.cli.bench_transfer", "P/D worker processes: connector pull/push vs raw NIXL vs memcpy"),
 }
 
 

@@ -130,6 +130,8 @@ def test_incompatible_peer_is_refused_and_both_keep_serving(engines: dict[str, E
     bad.wait_settled(["d-mismatch"], timeout_s=10.0)
     assert bad.failed(["d-mismatch"]) == {"d-mismatch"}
     assert bad.peers[0].invalid_block_ids == {50, 51, 52}
+    reason = bad.peers[0].load_failures.get("d-mismatch", "")
+    assert "head_dim: P has 32, D has 16" in reason, reason
     records = bad.peers[0].call("logs")["records"]
     assert any("head_dim: P has 32, D has 16" in r for r in records), records
     (stats,) = bad.call("stats")

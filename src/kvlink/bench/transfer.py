@@ -1,0 +1,294 @@
+"""`kvlink bench transfer`: connector pull (or push) between P and D worker processes on loopback,
+against a bare NIXL pair moving the same bytes and a single-process numpy copy.
+
+Every figure comes from one run on this machine. Sizes are the shipped tokens of one
+request; the KV pool of each side holds the largest request, and the layer count is
+cut (the same for every size) so that one side's pool stays under `max_gib`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvlink.bench.transfer_proc import (
+    PeerProcess,
+    call_all,
+    free_port_base,
+    peer_env,
+    python_argv,
+    stop_all,
+)
+from kvlink.connector.api import RequestView
+from kvlink.connector.config import ConnectorConfig
+from kvlink.connector.scheduler import NixlScheduler
+from kvlink.layout.geometry import build_worker_geometry, packed_base_addrs
+from kvlink.layout.presets import preset
+
+NODE = "kvlink.bench.transfer_node"
+Log = Callable[[str], None]
+
+
+@dataclass
+class BenchOptions:
+    preset: str = "llama3-8b"
+    tokens: list[int] = field(default_factory=lambda: [512, 4096, 32768])
+    p_tp: int = 1
+    d_tp: int = 1
+    mode: str = "pull"
+    block_size: int = 16
+    repeats: int = 5
+    max_gib: float = 2.0
+    layers: int | None = None
+    seed: int = 0
+
+
+def per_layer_token_bytes(options: BenchOptions) -> int:
+    """KV bytes of one token in one layer at TP 1 (from the layout itself: block of one token)."""
+    model = preset(options.preset)
+    geo = build_worker_geometry(model, 1, 0, 1, 1, 1, packed_base_addrs(model, 1, 1, 1, 1, 0))
+    return sum(r.page_len for r in geo.regions) // model.num_layers
+
+
+def plan_sizes(options: BenchOptions) -> dict[str, Any]:
+    """Pool blocks and layers for this run (same for every size)."""
+    model = preset(options.preset)
+    if any(g.kind not in ("full", "mla") for g in model.groups):
+        raise ValueError("bench transfer supports attention and MLA presets (llama3-8b, smollm2-135m, deepseek-mla)")
+    pool = math.ceil((max(options.tokens) + 1) / options.block_size) + 1
+    per_layer = per_layer_token_bytes(options) * options.block_size * pool
+    cap = max(1, int(options.max_gib * 2**30 // per_layer))
+    layers = min(model.num_layers, options.layers or model.num_layers, cap)
+    return {"pool_blocks": pool, "layers": layers, "model_layers": model.num_layers,
+            "side_bytes": per_layer * layers, "token_bytes": per_layer_token_bytes(options) * layers}
+
+
+def memcpy_gbps(nbytes: int, repeats: int) -> dict[str, float]:
+    src = np.empty(nbytes, dtype=np.uint8)
+    dst = np.empty(nbytes, dtype=np.uint8)
+    src.fill(1)
+    dst.fill(2)  # touch every page before timing
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t0)
+    best = statistics.median(times)
+    return {"s": best, "gbps": nbytes / best / 1e9}
+
+
+class _Side:
+    """The P or D engine of the benchmark: tp worker processes and a scheduler side."""
+
+    def __init__(self, engine_id: str, tp: int, options: BenchOptions, sizes: dict[str, Any],
+                 log_dir: Path, fill: str, env: dict[str, str]) -> None:
+        self.engine_id, self.tp = engine_id, tp
+        self.port = free_port_base(tp)
+        cfg = {"engine_id": engine_id, "tp": tp, "port": self.port, "model": options.preset,
+               "layers": sizes["layers"], "block_size": options.block_size,
+               "num_blocks": sizes["pool_blocks"], "fill": fill, "lease_s": 120.0,
+               "stall_timeout_s": 60.0, "transfer_mode": options.mode}
+        self.peers = [
+            PeerProcess(python_argv(NODE, {**cfg, "rank": r}), f"{engine_id}-r{r}",
+                        env=peer_env(env if r == 0 else None), log_path=log_dir / f"{engine_id}-r{r}.log")
+            for r in range(tp)
+        ]
+        self.sched = NixlScheduler(ConnectorConfig(engine_id, side_channel_port=self.port, lease_s=120.0,
+                                                   transfer_mode=options.mode), tp)  # type: ignore[arg-type]
+
+
+def _ucx_get_protocol(log: str) -> str:
+    """What UCX chose for remote reads between processes, from UCX_PROTO_INFO tables."""
+    found: list[str] = []
+    lines = log.splitlines()
+    for i, line in enumerate(lines):
+        if "remote memory read by ucp_get" in line and "intra-node" in lines[i - 1]:
+            for row in lines[i + 4:i + 12]:
+                cells = [c.strip() for c in row.split("|")[1:-1]]
+                if len(cells) != 3 or not cells[0]:
+                    break
+                if cells[0][0].isdigit():
+                    found.append(f"{cells[0]} {cells[1]} via {cells[2]}")
+    return "; ".join(dict.fromkeys(found)) or "unknown (no UCX_PROTO_INFO table found)"
+
+
+def run_bench(options: BenchOptions, log: Log = print) -> dict[str, Any]:
+    sizes = plan_sizes(options)
+    token_bytes = sizes["token_bytes"]
+    log(f"kvlink bench transfer: {options.preset}, {sizes['layers']}/{sizes['model_layers']} layers, "
+        f"TP {options.p_tp} -> {options.d_tp}, mode {options.mode}, block {options.block_size}, "
+        f"pool {sizes['pool_blocks']} blocks = {sizes['side_bytes'] / 2**30:.2f} GiB per side, "
+        f"{token_bytes / 1024:.0f} KiB/token")
+    log(f"UCX_TLS={os.environ.get('UCX_TLS', '<unset: UCX default>')} "
+        f"UCX_NET_DEVICES={os.environ.get('UCX_NET_DEVICES', '<unset>')}")
+    memcpy = {}
+    for tokens in options.tokens:
+        memcpy[tokens] = memcpy_gbps(tokens * token_bytes, options.repeats)
+        log(f"  numpy memcpy {tokens:>6} tokens ({tokens * token_bytes / 2**20:8.1f} MiB): "
+            f"{memcpy[tokens]['gbps']:.2f} GB/s")
+    log_dir = Path(tempfile.mkdtemp(prefix="kvlink-bench-transfer-"))
+    ucx_env = {"UCX_PROTO_INFO": "y"}
+    started = time.perf_counter()
+    p = _Side("benchP", options.p_tp, options, sizes, log_dir, "pattern", {})
+    d = _Side("benchD", options.d_tp, options, sizes, log_dir, "fill", ucx_env)
+    peers = p.peers + d.peers
+    try:
+        for peer in peers:
+            peer.wait_ready(120.0)
+        log(f"  {len(peers)} worker processes ready in {time.perf_counter() - started:.1f} s (logs: {log_dir})")
+        runner = _Runner(options, sizes, p, d, log)
+        result = runner.run(memcpy)
+        result["ucx_get_protocol"] = _ucx_get_protocol(d.peers[0].log_tail(2_000_000))
+        result["ucx_tls"] = os.environ.get("UCX_TLS", "")
+        log(f"  UCX remote-read protocol (D rank 0): {result['ucx_get_protocol']}")
+        return result
+    finally:
+        stop_all(peers)
+
+
+class _Runner:
+    def __init__(self, options: BenchOptions, sizes: dict[str, Any], p: _Side, d: _Side, log: Log) -> None:
+        self.o, self.sizes, self.p, self.d, self.log = options, sizes, p, d, log
+        self.rng = np.random.default_rng(options.seed)
+        self.count = 0
+
+    def _ids(self, tokens: int, layout: str) -> tuple[list[int], list[int]]:
+        n = math.ceil((tokens + 1) / self.o.block_size)
+        pool = self.sizes["pool_blocks"]
+        if layout == "contiguous":
+            return list(range(n)), list(range(n))
+        return ([int(x) for x in self.rng.permutation(pool)[:n]],
+                [int(x) for x in self.rng.permutation(pool)[:n]])
+
+    def request(self, tokens: int, p_ids: list[int], d_ids: list[int]) -> dict[str, Any]:
+        """One request: P finishes and holds it, every D rank loads it (timed), P frees it."""
+        self.count += 1
+        rid = f"r{self.count}"
+        prompt = list(range(tokens + 1))
+        _, params = self.p.sched.request_finished(RequestView(rid, prompt, {"do_remote_decode": True}),
+                                                  [p_ids], aborted=False)
+        assert params is not None
+        call_all(self.p.peers, "step", **dataclasses.asdict(self.p.sched.build_step_metadata()))
+        view = RequestView(f"d-{rid}", prompt, params)
+        self.d.sched.on_new_request(view)
+        count, _ = self.d.sched.get_num_new_matched_tokens(view, 0)
+        self.d.sched.update_state_after_alloc(view, [d_ids], count, 0)
+        (entry,) = self.d.sched.build_step_metadata().loads
+        results = call_all(self.d.peers, "load_timed", timeout_s=120.0, entry=entry)
+        bad = [r["status"] for r in results if r["status"] != "done"]
+        if bad:
+            raise RuntimeError(f"load {rid} did not finish: {bad}")
+        self.p.peers[0].wait_until(lambda: all(peer.sent([rid]) for peer in self.p.peers), 30.0,
+                                   what=f"P frees {rid}")
+        if self.o.mode == "push":  # P's workers did the WRITEs: their records carry the figures
+            p_records = [t for peer in self.p.peers for t in peer.call("stats", reset=True)["transfers"]
+                         if t["request_id"] == rid]
+            for r in results:
+                r["nbytes"] = sum(int(t["nbytes"]) for t in p_records) // self.o.d_tp
+                r["descriptors"] = sum(int(t["descriptors"]) for t in p_records) // self.o.d_tp
+        wall = max(r["wall_s"] for r in results)
+        conn_cpu = [r["post_cpu_s"] + r["last_poll_cpu_s"] - r["meters"]["nixl"]["cpu_s"] for r in results]
+        return {
+            "wall_s": wall, "nbytes": sum(r["nbytes"] for r in results),
+            "rank0_nbytes": results[0]["nbytes"], "rank0_descriptors": results[0]["descriptors"],
+            "descriptors": sum(r["descriptors"] for r in results),
+            "plan_cpu_s": max(r["meters"]["plan"]["cpu_s"] for r in results),
+            "post_cpu_s": max(r["meters"]["post"]["cpu_s"] - r["meters"]["nixl"]["cpu_s"] for r in results),
+            "nixl_cpu_s": max(r["meters"]["nixl"]["cpu_s"] for r in results),
+            "nixl_wall_s": max(r["meters"]["nixl"]["wall_s"] for r in results),
+            "connector_cpu_s": max(conn_cpu), "polls": max(r["polls"] for r in results),
+            "post_wall_s": max(r["post_wall_s"] for r in results),
+        }
+
+    def run(self, memcpy: dict[int, dict[str, float]]) -> dict[str, Any]:
+        o = self.o
+        first_ids = self._ids(o.tokens[0], "contiguous")
+        first = self.request(o.tokens[0], *first_ids)
+        again = self.request(o.tokens[0], *first_ids)
+        handshake_s = first["wall_s"] - again["wall_s"]
+        self.log(f"  first request incl. handshake {first['wall_s'] * 1e3:.1f} ms, the same again "
+                 f"{again['wall_s'] * 1e3:.1f} ms -> handshake ~{handshake_s * 1e3:.1f} ms")
+        # the P ranks D rank 0 reads from (all of them when P has more ranks, else one)
+        sources = self.p.peers[: max(1, self.o.p_tp // self.o.d_tp)]
+        remotes = [peer.call("raw_expose") for peer in sources]
+        rows = []
+        for tokens in o.tokens:
+            for layout in ("contiguous", "fragmented"):
+                # connector and raw runs alternate, so both see the same machine noise
+                samples: list[dict[str, Any]] = []
+                raw_times: list[float] = []
+                raw: dict[str, Any] = {}
+                desc = 0
+                verified = 0
+                for i in range(o.repeats):
+                    p_ids, d_ids = self._ids(tokens, layout)
+                    sample = self.request(tokens, p_ids, d_ids)
+                    samples.append(sample)
+                    if i == o.repeats - 1:  # before the raw READ below overwrites D's buffer
+                        verified = self._verify(p_ids, d_ids)
+                    if not desc:
+                        desc = sample["rank0_nbytes"] if layout == "contiguous" else \
+                            sample["rank0_nbytes"] // max(1, sample["rank0_descriptors"])
+                    raw = self.d.peers[0].call(
+                        "raw_read", timeout_s=120.0, nbytes=sample["rank0_nbytes"] // desc * desc,
+                        desc_bytes=desc, repeats=1, seed=tokens + len(raw_times), remotes=remotes)
+                    raw_times += raw["times_s"]
+                row = _summarize(tokens, layout, samples, memcpy[tokens])
+                row["verified_pages"] = verified
+                raw_s = statistics.median(raw_times)
+                row.update(raw_s=raw_s, raw_gbps=row["rank0_nbytes"] / raw_s / 1e9, raw_all_s=raw_times,
+                           raw_descriptors=raw["descriptors"], raw_merged=raw["merged_descriptors"],
+                           raw_desc_bytes=raw["desc_bytes"])
+                row["ratio_vs_raw"] = row["rank0_gbps"] / row["raw_gbps"]
+                rows.append(row)
+                self.log(_progress(row))
+        return {"options": dataclasses.asdict(o), "sizes": self.sizes, "handshake_s": handshake_s,
+                "first_request_s": first["wall_s"], "rows": rows, "memcpy": memcpy}
+
+    def _verify(self, p_ids: list[int], d_ids: list[int]) -> int:
+        """Compare digests of sampled pages on P and D (same TP and block size only)."""
+        if self.o.p_tp != self.o.d_tp:
+            return 0
+        info = self.d.peers[0].call("info")
+        picks = [(int(self.rng.integers(info["regions"])), int(self.rng.integers(len(d_ids) - 1)))
+                 for _ in range(16)]
+        for rank in range(self.o.d_tp):
+            want = self.p.peers[rank].call("digest", pages=[(r, p_ids[i]) for r, i in picks])["digests"]
+            got = self.d.peers[rank].call("digest", pages=[(r, d_ids[i]) for r, i in picks])["digests"]
+            if want != got:
+                raise RuntimeError(f"rank {rank}: moved pages differ from P's (digest mismatch)")
+        return len(picks) * self.o.d_tp
+
+
+def _summarize(tokens: int, layout: str, samples: list[dict[str, Any]], memcpy: dict[str, float]) -> dict[str, Any]:
+    med: Callable[[str], float] = lambda key: statistics.median(float(s[key]) for s in samples)  # noqa: E731
+    wall = med("wall_s")
+    nbytes = samples[0]["nbytes"]
+    return {
+        "tokens": tokens, "layout": layout, "nbytes": nbytes, "rank0_nbytes": samples[0]["rank0_nbytes"],
+        "rank0_descriptors": samples[0]["rank0_descriptors"], "descriptors": samples[0]["descriptors"],
+        "wall_s": wall, "gbps": nbytes / wall / 1e9, "rank0_gbps": samples[0]["rank0_nbytes"] / wall / 1e9,
+        "plan_cpu_s": med("plan_cpu_s"), "post_cpu_s": med("post_cpu_s"), "nixl_cpu_s": med("nixl_cpu_s"),
+        "nixl_wall_s": med("nixl_wall_s"), "connector_cpu_s": med("connector_cpu_s"),
+        "cpu_pct": 100 * med("connector_cpu_s") / wall, "post_wall_s": med("post_wall_s"),
+        "memcpy_s": memcpy["s"], "memcpy_gbps": memcpy["gbps"], "repeats": len(samples),
+        "wall_all_s": [s["wall_s"] for s in samples],
+    }
+
+
+def _progress(row: dict[str, Any]) -> str:
+    return (f"  {row['tokens']:>6} tokens {row['layout']:<10} {row['nbytes'] / 2**20:8.1f} MiB  "
+            f"connector {row['wall_s'] * 1e3:8.2f} ms {row['gbps']:6.2f} GB/s  "
+            f"raw NIXL {row['raw_s'] * 1e3:8.2f} ms ({row['raw_descriptors']} x {row['raw_desc_bytes'] // 1024} KiB)  "
+            f"x{row['ratio_vs_raw']:.2f}  cpu {row['connector_cpu_s'] * 1e3:.2f} ms ({row['cpu_pct']:.1f}%)")
+

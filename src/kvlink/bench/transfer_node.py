@@ -1,0 +1,261 @@
+"""Benchmark peer: one connector worker whose KV is a real page-aligned buffer, plus timing.
+
+Commands on top of `transfer_peer.PeerServer`:
+
+* `load_timed {entry}` (D): post one load through `start_load_kv` and poll
+  `get_finished()` in a tight loop until it finishes; returns the wall time and the
+  connector's CPU time split into planning (`TransferPlan.request_ids`), posting
+  (`NixlAgent.post`) and the time spent inside NIXL's `transfer`/`check_xfer_state`
+  (on the CMA path the copy itself runs there, so it is subtracted).
+* `raw_expose` (P) / `raw_read` (D): a bare `NixlAgent` pair over the same buffers, READing
+  the same bytes as one descriptor, or as N equal descriptors at shuffled positions.
+* `digest {pages}`: blake2b of (region, page) pages, to check the bytes that moved.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from collections.abc import Callable
+from typing import IO, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvlink.bench.transfer_peer import PeerServer, configure_logging, protocol_stream
+from kvlink.layout.geometry import build_worker_geometry, packed_base_addrs
+from kvlink.transfer.agent import NixlAgent
+
+ALIGN = 4096
+
+
+class CpuMeter:
+    """Accumulates wall and thread CPU seconds spent inside wrapped callables."""
+
+    def __init__(self) -> None:
+        self.cpu_s = 0.0
+        self.wall_s = 0.0
+        self.calls = 0
+
+    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            c0, t0 = time.thread_time(), time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.cpu_s += time.thread_time() - c0
+                self.wall_s += time.perf_counter() - t0
+                self.calls += 1
+        return timed
+
+    def take(self) -> dict[str, float]:
+        out = {"cpu_s": self.cpu_s, "wall_s": self.wall_s, "calls": self.calls}
+        self.cpu_s = self.wall_s = 0.0
+        self.calls = 0
+        return out
+
+
+class BenchPeer(PeerServer):
+    def __init__(self, cfg: dict[str, Any], out: IO[str]) -> None:
+        super().__init__(cfg, out)
+        probe = packed_base_addrs(self.model, self.tp_size, self.block_size, self.kernel_block_size,
+                                  self.num_blocks, 0, align=ALIGN)
+        geo = build_worker_geometry(self.model, self.tp_size, self.tp_rank, self.block_size,
+                                    self.kernel_block_size, self.num_blocks, probe)
+        size = max(r.end for r in geo.regions)
+        self._alloc = np.empty(size + ALIGN, dtype=np.uint8)
+        shift = (-self._alloc.ctypes.data) % ALIGN
+        self.buf = self._alloc[shift:shift + size]
+        self._fill(str(cfg.get("fill", "pattern")))
+        bases = packed_base_addrs(self.model, self.tp_size, self.block_size, self.kernel_block_size,
+                                  self.num_blocks, self.buf.ctypes.data, align=ALIGN)
+        self.geometry = build_worker_geometry(self.model, self.tp_size, self.tp_rank, self.block_size,
+                                              self.kernel_block_size, self.num_blocks, bases)
+        self.start([r.base for r in self.geometry.regions],
+                   [r.page_stride * r.num_pages for r in self.geometry.regions])
+        self.meters = {k: CpuMeter() for k in ("plan", "post", "nixl")}
+        self._instrumented: set[int] = set()
+        self.raw_agent: NixlAgent | None = None
+        self.commands.update(load_timed=self.cmd_load_timed, raw_expose=self.cmd_raw_expose,
+                             raw_read=self.cmd_raw_read, digest=self.cmd_digest, info=self.cmd_info)
+
+    def _fill(self, how: str) -> None:
+        """Touch every page now (so no page fault lands inside a timed transfer)."""
+        if how == "pattern":  # distinct 8-byte words, so misplaced bytes would show in digests
+            words = self.buf[: self.buf.size // 8 * 8].view(np.uint64)
+            words[:] = np.arange(words.size, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+            words ^= np.uint64(self.tp_rank + 1)
+        else:
+            self.buf.fill(0x5A)
+
+    # ---- instrumentation ----------------------------------------------------------------
+    def _instrument(self) -> None:
+        agent = self.worker.agent
+        assert agent is not None
+        if id(agent) not in self._instrumented:
+            self._instrumented.add(id(agent))
+            raw = agent._agent
+            raw.transfer = self.meters["nixl"].wrap(raw.transfer)
+            raw.check_xfer_state = self.meters["nixl"].wrap(raw.check_xfer_state)
+            agent.post = self.meters["post"].wrap(agent.post)  # type: ignore[method-assign]
+        for engine in self.worker.engines.values():
+            plan = engine.plan
+            if plan is not None and id(plan) not in self._instrumented:
+                self._instrumented.add(id(plan))
+                object.__setattr__(plan, "request_ids", self.meters["plan"].wrap(plan.request_ids))
+
+    def cmd_load_timed(self, args: dict[str, Any]) -> dict[str, Any]:
+        entry = args["entry"]
+        rid = entry["request_id"]
+        timeout = float(args.get("timeout_s", 60.0))
+        self._instrument()
+        for meter in self.meters.values():
+            meter.take()
+        from kvlink.connector.api import StepMetadata
+
+        c0, t0 = time.thread_time(), time.perf_counter()
+        self.worker.start_load_kv(StepMetadata(loads=[entry]))
+        post_wall, post_cpu = time.perf_counter() - t0, time.thread_time() - c0
+        polls, status = 0, "timeout"
+        last_cpu = 0.0
+        while time.perf_counter() - t0 < timeout:
+            c1 = time.thread_time()
+            out = self.worker.get_finished()
+            last_cpu = time.thread_time() - c1
+            polls += 1
+            self._record(out)
+            if rid in out.failed_recving:
+                status = "failed"
+                break
+            if rid in out.finished_recving:
+                status = "done"
+                break
+            self._instrument()  # a handshake may have just finished: time the new plan too
+        wall = time.perf_counter() - t0
+        meters = {k: m.take() for k, m in self.meters.items()}
+        self._take_stats()
+        records = [t for t in self.transfers if t["request_id"] == rid]
+        return {
+            "status": status, "wall_s": wall, "post_wall_s": post_wall, "post_cpu_s": post_cpu,
+            "last_poll_cpu_s": last_cpu, "polls": polls, "meters": meters,
+            "nbytes": sum(int(t["nbytes"]) for t in records),
+            "descriptors": sum(int(t["descriptors"]) for t in records),
+            "nixl_xfer_s": sum(float(t["duration_s"]) for t in records),
+            "remote_engines": sorted(self.worker.engines),
+        }
+
+    def _record(self, out: Any) -> None:
+        if out.finished_recving or out.failed_recving or out.finished_sending:
+            msg = {"event": "output", "t": time.monotonic(),
+                   "finished_recving": sorted(out.finished_recving),
+                   "failed_recving": sorted(out.failed_recving),
+                   "finished_sending": sorted(out.finished_sending),
+                   "invalid_block_ids": sorted(out.invalid_block_ids)}
+            self.emit(msg)
+
+    def poll(self) -> None:
+        super().poll()
+        if self.raw_agent is not None:
+            self.raw_agent.get_notifs()  # the bare agent needs progress too (no progress thread)
+
+    # ---- raw NIXL -----------------------------------------------------------------------
+    def _raw_agent(self) -> NixlAgent:
+        if self.raw_agent is None:
+            self.raw_agent = NixlAgent(f"raw-{self.config.engine_id}-r{self.tp_rank}")
+            self.raw_agent.register_regions([(self.buf.ctypes.data, self.buf.nbytes)])
+        return self.raw_agent
+
+    def cmd_raw_expose(self, args: dict[str, Any]) -> dict[str, Any]:
+        agent = self._raw_agent()
+        return {"metadata": agent.metadata().hex(), "base": self.buf.ctypes.data, "size": self.buf.nbytes}
+
+    def cmd_raw_read(self, args: dict[str, Any]) -> dict[str, Any]:
+        """READ `nbytes`, split evenly over the `remotes` (exposed P buffers), into this buffer:
+        one descriptor per remote, or `desc_bytes` descriptors at shuffled, never adjacent
+        positions on both sides. All READs are posted, then polled to completion."""
+        agent = self._raw_agent()
+        remotes = args["remotes"]
+        nbytes, desc = int(args["nbytes"]), int(args.get("desc_bytes") or args["nbytes"])
+        per_remote = nbytes // len(remotes)
+        one = desc >= per_remote
+        desc = per_remote if one else desc
+        count = per_remote // desc
+        rng = np.random.default_rng(int(args.get("seed", 0)))
+        local_slots = _spread(rng, self.buf.nbytes // desc, count * len(remotes))
+        plans = []
+        try:
+            for i, remote in enumerate(remotes):
+                name = agent.add_remote(bytes.fromhex(remote["metadata"]))
+                if one:
+                    local_off = np.array([i * per_remote], dtype=np.int64)
+                    remote_off = np.zeros(1, np.int64)
+                else:
+                    local_off = local_slots[i * count:(i + 1) * count] * desc
+                    remote_off = _spread(rng, int(remote["size"]) // desc, count) * desc
+                lh = agent.prep_local(_descs(self.buf.ctypes.data + local_off, desc))
+                rh = agent.prep_remote(name, _descs(int(remote["base"]) + remote_off, desc))
+                plans.append((name, lh, rh))
+            idx = np.arange(count, dtype=np.int64)
+            times, merged = [], 0
+            for _ in range(int(args.get("repeats", 3))):
+                t0 = time.perf_counter()
+                posted = [agent.post("READ", lh, idx, rh, idx) for _, lh, rh in plans]
+                for t in posted:
+                    while agent.poll(t) != "DONE":
+                        pass
+                times.append(time.perf_counter() - t0)
+                merged = sum(t.telemetry.desc_count if t.telemetry is not None else count for t in posted)
+        finally:
+            for name, lh, _ in plans:
+                agent.release_dlist(lh)
+                agent.remove_remote(name)
+        return {"times_s": times, "descriptors": count * len(remotes), "merged_descriptors": merged,
+                "desc_bytes": desc}
+
+    def cmd_digest(self, args: dict[str, Any]) -> dict[str, Any]:
+        out = []
+        for region_index, page in args["pages"]:
+            region = self.geometry.regions[int(region_index)]
+            start = region.base - self.buf.ctypes.data + int(page) * region.page_stride
+            out.append(hashlib.blake2b(self.buf[start:start + region.page_len].tobytes(),
+                                       digest_size=16).hexdigest())
+        return {"digests": out}
+
+    def cmd_info(self, args: dict[str, Any]) -> dict[str, Any]:
+        regions = self.geometry.regions
+        return {"regions": len(regions), "page_len": regions[0].page_len, "buffer_bytes": self.buf.nbytes,
+                "layers": self.model.num_layers}
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        if self.raw_agent is not None:
+            self.raw_agent.close()
+
+
+def _spread(rng: np.random.Generator, slots: int, count: int) -> npt.NDArray[np.int64]:
+    """`count` distinct slots in random order with no two neighbours (so NIXL cannot merge)."""
+    if 2 * count <= slots:
+        picked = rng.choice(slots // 2, size=count, replace=False).astype(np.int64) * 2
+    else:
+        picked = rng.permutation(slots)[:count].astype(np.int64)
+    return picked
+
+
+def _descs(addrs: npt.NDArray[np.int64], length: int) -> npt.NDArray[np.uint64]:
+    out = np.zeros((addrs.size, 3), dtype=np.uint64)
+    out[:, 0] = addrs.astype(np.uint64)
+    out[:, 1] = length
+    return out
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    out = protocol_stream()
+    configure_logging(cfg)
+    BenchPeer(cfg, out).run()
+
+
+if __name__ == "__main__":
+    main()

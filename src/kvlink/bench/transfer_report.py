@@ -1,0 +1,73 @@
+"""Table, target verdicts and chart for `kvlink bench transfer` results."""
+
+from __future__ import annotations
+
+from typing import Any
+
+CPU_TARGET_TOKENS = 4096
+
+
+def table(result: dict[str, Any]) -> str:
+    head = ("| tokens | layout | MiB | descriptors (rank 0) | connector ms | connector GB/s | "
+            "raw NIXL ms | raw GB/s | raw descriptors | connector / raw | numpy memcpy GB/s | "
+            "connector CPU ms (plan / post) | CPU % of transfer |")
+    lines = [head, "|" + "---:|" * 2 + "---:|" * 11]
+    lines[1] = "|---:|:---|" + "---:|" * 11
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['tokens']:,} | {r['layout']} | {r['nbytes'] / 2**20:.1f} | {r['rank0_descriptors']:,} | "
+            f"{r['wall_s'] * 1e3:.2f} | {r['gbps']:.2f} | {r['raw_s'] * 1e3:.2f} | {r['raw_gbps']:.2f} | "
+            f"{r['raw_descriptors']:,} x {r['raw_desc_bytes'] // 1024} KiB | {r['ratio_vs_raw']:.2f} | "
+            f"{r['memcpy_gbps']:.2f} | {r['connector_cpu_s'] * 1e3:.3f} ({r['plan_cpu_s'] * 1e3:.3f} / "
+            f"{r['post_cpu_s'] * 1e3:.3f}) | {r['cpu_pct']:.2f} |")
+    return "\n".join(lines)
+
+
+def verdicts(result: dict[str, Any]) -> list[str]:
+    out = []
+    for layout, what in (("contiguous", "raw NIXL, one descriptor"),
+                         ("fragmented", "raw NIXL, same descriptor sizes")):
+        rows = [r for r in result["rows"] if r["layout"] == layout]
+        worst = min(rows, key=lambda r: r["ratio_vs_raw"])
+        met = all(r["ratio_vs_raw"] >= 0.9 for r in rows)
+        ratios = ", ".join(f"{r['tokens']}: {r['ratio_vs_raw']:.2f}" for r in rows)
+        out.append(f"{layout} connector >= 0.9x {what}: {'MET' if met else 'NOT MET'} "
+                   f"(ratios {ratios}; worst {worst['ratio_vs_raw']:.2f} at {worst['tokens']} tokens)")
+    cpu_rows = [r for r in result["rows"] if r["tokens"] == CPU_TARGET_TOKENS]
+    if cpu_rows:
+        pcts = ", ".join(f"{r['layout']} {r['cpu_pct']:.2f}%" for r in cpu_rows)
+        met = all(r["cpu_pct"] < 5 for r in cpu_rows)
+        out.append(f"connector CPU per request < 5% of transfer time at {CPU_TARGET_TOKENS} tokens: "
+                   f"{'MET' if met else 'NOT MET'} ({pcts})")
+    else:
+        out.append(f"CPU target not evaluated: {CPU_TARGET_TOKENS} tokens not in --tokens")
+    return out
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    tokens = sorted({r["tokens"] for r in result["rows"]})
+    for layout, style in (("contiguous", "-"), ("fragmented", "--")):
+        rows = sorted((r for r in result["rows"] if r["layout"] == layout), key=lambda r: r["tokens"])
+        ax.plot([r["tokens"] for r in rows], [r["rank0_gbps"] for r in rows], "o" + style,
+                label=f"connector, {layout}")
+        ax.plot([r["tokens"] for r in rows], [r["raw_gbps"] for r in rows], "s" + style, alpha=0.6,
+                label=f"raw NIXL, {layout} descriptors")
+    ax.plot(tokens, [result["memcpy"][t]["gbps"] if t in result["memcpy"] else result["memcpy"][str(t)]["gbps"]
+                     for t in tokens], "k:", label="numpy memcpy (one process)")
+    o, s = result["options"], result["sizes"]
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens per request")
+    ax.set_ylabel("GB/s (D rank 0)")
+    ax.set_title(f"{o['preset']} ({s['layers']} layers) TP {o['p_tp']}->{o['d_tp']} {o['mode']}, "
+                 f"UCX {result.get('ucx_tls') or 'default'}")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

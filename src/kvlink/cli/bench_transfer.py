@@ -1,0 +1,52 @@
+"""`kvlink bench transfer`: P and D worker processes on loopback; connector vs raw NIXL vs memcpy."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from kvlink.bench.transfer import BenchOptions, run_bench
+from kvlink.bench.transfer_report import plot, table, verdicts
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", default="llama3-8b", help="model preset (attention or MLA)")
+    parser.add_argument("--tokens", type=_ints, default=[512, 4096, 32768],
+                        help="comma-separated tokens per request (default 512,4096,32768)")
+    parser.add_argument("--p-tp", type=int, default=1, help="prefill TP size")
+    parser.add_argument("--d-tp", type=int, default=1, help="decode TP size")
+    parser.add_argument("--mode", choices=("pull", "push"), default="pull")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=5, help="timed requests per size and layout (median)")
+    parser.add_argument("--max-gib", type=float, default=2.0,
+                        help="cap one side's KV pool; layers are cut to fit (default 2 GiB)")
+    parser.add_argument("--layers", type=int, default=None, help="use at most this many layers")
+    parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    parser.add_argument("--plot", metavar="FILE", help="write a PNG chart")
+
+
+def run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    options = BenchOptions(preset=args.preset, tokens=args.tokens, p_tp=args.p_tp, d_tp=args.d_tp,
+                           mode=args.mode, block_size=args.block_size, repeats=args.repeats,
+                           max_gib=args.max_gib, layers=args.layers)
+    result = run_bench(options)
+    print()
+    print(table(result))
+    print()
+    result["verdicts"] = verdicts(result)
+    for line in result["verdicts"]:
+        print(line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(result, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
