@@ -99,6 +99,7 @@ class PeerServer:
         self._inbox: queue.Queue[Any] = queue.Queue()
         self._stopping = False
         self._last_command = time.monotonic()
+        self.active_poll_s = float(cfg.get("active_poll_s", ACTIVE_POLL_S))
 
     def start(self, base_addrs: list[int], nbytes: list[int]) -> None:
         self.worker.register_kv_caches(base_addrs, nbytes)
@@ -121,7 +122,7 @@ class PeerServer:
             while not self._stopping:
                 busy = self.worker.has_inflight() or time.monotonic() - self._last_command < 0.2
                 try:
-                    item = self._inbox.get(timeout=ACTIVE_POLL_S if busy else IDLE_POLL_S)
+                    item = self._inbox.get(timeout=self.active_poll_s if busy else IDLE_POLL_S)
                 except queue.Empty:
                     item = None
                 if item is _EOF:
