@@ -147,7 +147,7 @@ def test_frozen_p_over_tcp_hits_the_stall_deadline(engines: dict[str, Engine]) -
     late = d.peers[0].call("changed_blocks")["blocks"]
     assert set(late.get("0", [])) <= {10, 11, 12}, late
     print(f"bytes of the abandoned READ that landed after SIGCONT: blocks {late}")
-    assert 1.4 <= took < 3.0, took
+    assert 1.4 <= took < 4.0, took
     assert d.failed(["d-t-frozen"]) == {"d-t-frozen"}
     assert d.peers[0].invalid_block_ids == {10, 12, 11}
     (stats,) = d.call("stats")

@@ -68,7 +68,7 @@ def test_lease_expires_when_d_never_reads(engines: dict[str, Engine]) -> None:
     assert "lonely" in _p_state(p)["lease_ids"]
     p.peers[0].wait_until(lambda: p.sent(["lonely"]), LEASE_S + 3.0, what="lease expiry")
     freed_after = p.peers[0].finished_sending["lonely"] - held_at
-    assert LEASE_S - 0.1 <= freed_after <= LEASE_S + 1.0, freed_after
+    assert LEASE_S - 0.1 <= freed_after <= LEASE_S + 2.0, freed_after
     state = _p_state(p)
     assert state["expired_total"] == expired_before + 1
     assert "lonely" not in state["lease_ids"]
