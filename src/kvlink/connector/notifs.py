@@ -2,21 +2,34 @@
 
 Every message starts with a tag and a protocol version; anything else is dropped by
 the caller (and counted), never trusted. Request ids go last so they may contain ':'.
+With a shared secret (`KVLINK_SECRET`) every message ends with `|mac=<HMAC-SHA256 hex>`
+of what precedes it: a peer that can reach our NIXL agent but lacks the secret cannot
+end or extend a lease, or ask for a push.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
 PREFIX = "kvlink1"
 MAX_NOTIF_BYTES = 64 * 1024
 MAX_HEARTBEAT_IDS = 4096
+_TAG = b"|mac="
+_TAG_LEN = len(_TAG) + 64
+_TAG_RE = re.compile(rb"\|mac=[0-9a-f]{64}\Z")
 
 
 class BadNotification(ValueError):
     """A notification that is not one of ours, or is malformed."""
+
+
+class UnauthenticatedNotification(BadNotification):
+    """A notification without a valid HMAC tag while a secret is configured (or the reverse)."""
 
 
 @dataclass(frozen=True)
@@ -52,7 +65,14 @@ class Pushed:
 Notification = Done | Heartbeat | PushRequest | Pushed
 
 
-def encode(msg: Notification) -> bytes:
+def encode(msg: Notification, secret: bytes | None = None) -> bytes:
+    body = _encode_body(msg)
+    if not secret:
+        return body
+    return body + _TAG + hmac.new(secret, body, hashlib.sha256).hexdigest().encode()
+
+
+def _encode_body(msg: Notification) -> bytes:
     if isinstance(msg, Done):
         return f"{PREFIX}:done:{msg.expected}:{msg.request_id}".encode()
     if isinstance(msg, Heartbeat):
@@ -63,9 +83,19 @@ def encode(msg: Notification) -> bytes:
     return f"{PREFIX}:pushed:0:{msg.request_id}".encode()
 
 
-def decode(raw: bytes) -> Notification:
+def decode(raw: bytes, secret: bytes | None = None) -> Notification:
     if len(raw) > MAX_NOTIF_BYTES:
         raise BadNotification(f"notification of {len(raw)} bytes exceeds {MAX_NOTIF_BYTES}")
+    tagged = _TAG_RE.search(raw) is not None
+    if secret:
+        if not tagged:
+            raise UnauthenticatedNotification("notification without an HMAC tag (peer lacks the secret?)")
+        body, tag = raw[:-_TAG_LEN], raw[-64:]
+        if not hmac.compare_digest(tag, hmac.new(secret, body, hashlib.sha256).hexdigest().encode()):
+            raise UnauthenticatedNotification("notification HMAC does not match (shared secrets differ)")
+        raw = body
+    elif tagged:
+        raise UnauthenticatedNotification("notification carries an HMAC tag but no secret is configured here")
     try:
         text = raw.decode()
         prefix, kind, number, rest = text.split(":", 3)

@@ -62,7 +62,7 @@ class PushWriter:
                 "local_computed_tokens": entry["local_computed_tokens"],
                 "num_tokens": entry["num_tokens"], "expected": engine.expected[rank],
             }
-            w._send(name, encode(PushRequest(entry["remote_request_id"], info)))
+            w._send(name, encode(PushRequest(entry["remote_request_id"], info), w.secret))
         w._notify(engine, entry, "notify", only_extra=True)
 
     def on_pushed(self, d_request_id: str, sender: str) -> None:
@@ -131,7 +131,7 @@ class PushWriter:
             assert reader.plan is not None
             (spec,) = reader.plan.request_ids(info["local_block_ids"], blocks, int(info["num_tokens"]),
                                               int(info["local_computed_tokens"]))
-            expected, done = int(info["expected"]), encode(Pushed(str(info["d_request_id"])))
+            expected, done = int(info["expected"]), encode(Pushed(str(info["d_request_id"])), self.worker.secret)
         except (KeyError, TypeError, ValueError) as exc:
             log.warning("bad push request for %s dropped: %s", rid, exc)
             return True

@@ -33,6 +33,10 @@ class ConnectorStats:
             "expired_leases_total": 0,
             "refused_peers_total": 0,
             "notify_only_total": 0,
+            "bad_notifications_total": 0,
+            "unauthenticated_notifications_total": 0,
+            "rejected_handshakes_total": 0,
+            "unauthenticated_handshakes_total": 0,
         }
     )
 

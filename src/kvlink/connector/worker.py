@@ -25,6 +25,7 @@ from kvlink.connector.notifs import (
     Heartbeat,
     Pushed,
     PushRequest,
+    UnauthenticatedNotification,
     decode,
     encode,
 )
@@ -36,6 +37,7 @@ from kvlink.layout.spec import ModelSpec, is_ssm
 from kvlink.plan.tp_mapping import compute_tp_mapping
 from kvlink.transfer.agent import NixlAgent
 from kvlink.transfer.agent_config import AgentConfig
+from kvlink.transfer.framing import resolve_secret
 from kvlink.transfer.inflight import InflightTracker
 from kvlink.transfer.side_channel import HandshakeServer
 from kvlink.transfer.wire import PROTOCOL_VERSION, HandshakePayload
@@ -56,6 +58,7 @@ class NixlWorker(ConnectorWorker):
         self.block_size, self.kernel_block_size, self.num_blocks = block_size, kernel_block_size, num_blocks
         self._agent_config = agent_config
         self._clock = clock
+        self.secret = resolve_secret(config.secret)  # same secret as the side channel: authenticates notifications
         self.stats = ConnectorStats()
         self.leases = LeaseTable(config.lease_s, config.lease_extension_s)
         self.handshakes = HandshakeRunner(config.handshake_timeout_s, config.secret)
@@ -205,7 +208,7 @@ class NixlWorker(ConnectorWorker):
             return
         load = self.book.start(rid, entry, _all_blocks(entry), self._clock())
         for spec in specs:
-            done = encode(Done(entry["remote_request_id"], engine.expected[spec.src_rank]))
+            done = encode(Done(entry["remote_request_id"], engine.expected[spec.src_rank]), self.secret)
             handles = engine.handles[spec.src_rank]
             if not len(spec.local_idx):
                 self._send(handles.agent_name, done)
@@ -276,7 +279,7 @@ class NixlWorker(ConnectorWorker):
     def _notify(self, engine: RemoteEngine, entry: dict[str, Any], kind: str, only_extra: bool = False) -> None:
         mapping = compute_tp_mapping(self.model, self.tp_size, self.tp_rank, engine.tp_size)
         if kind == "heartbeat":
-            msg = encode(Heartbeat(tuple(entry["remote_request_ids"])))
+            msg = encode(Heartbeat(tuple(entry["remote_request_ids"])), self.secret)
             targets = mapping.notify_ranks
         else:
             targets = mapping.notify_only_ranks if only_extra else mapping.notify_ranks
@@ -284,7 +287,7 @@ class NixlWorker(ConnectorWorker):
                 self.stats.count("notify_only_total")
         for rank, name in engine.notify_agents(targets):
             if kind != "heartbeat":
-                msg = encode(Done(entry["remote_request_id"], engine.expected[rank]))
+                msg = encode(Done(entry["remote_request_id"], engine.expected[rank]), self.secret)
             self._send(name, msg)
 
     def _send(self, agent_name: str, msg: bytes) -> None:
@@ -300,7 +303,11 @@ class NixlWorker(ConnectorWorker):
         for sender, messages in self.agent.get_notifs().items():
             for raw in messages:
                 try:
-                    msg = decode(raw)
+                    msg = decode(raw, self.secret)
+                except UnauthenticatedNotification as exc:
+                    self.stats.count("unauthenticated_notifications_total")
+                    log.warning("dropping notification from %s: %s", sender, exc)
+                    continue
                 except BadNotification as exc:
                     self.stats.count("bad_notifications_total")
                     log.warning("dropping notification from %s: %s", sender, exc)
@@ -359,6 +366,10 @@ class NixlWorker(ConnectorWorker):
         return bool(self.book.loads or self._waiting or self.leases.leases)
 
     def get_stats(self) -> dict[str, Any]:
+        if self.server is not None:  # what our side channel refused (bad frames, wrong secret, ...)
+            listener = self.server.stats
+            self.stats.counters["rejected_handshakes_total"] = listener.rejected
+            self.stats.counters["unauthenticated_handshakes_total"] = listener.unauthenticated
         return self.stats.take()
 
     def debug_state(self) -> dict[str, Any]:
