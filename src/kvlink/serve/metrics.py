@@ -42,7 +42,7 @@ class Histogram:
         for edge, count in zip(self.buckets, self.counts, strict=True):
             lines.append(f'{name}_bucket{{le="{edge:g}"}} {count}')
         lines.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
-        lines.append(f"{name}_sum {self.total:g}")
+        lines.append(f"{name}_sum {_number(self.total)}")
         lines.append(f"{name}_count {self.count}")
         return lines
 
@@ -90,16 +90,23 @@ class MetricsRegistry:
                 if full not in typed:
                     lines.append(f"# TYPE {full} counter")
                     typed.add(full)
-                lines.append(f"{full}{_labels(dict(labels))} {value:g}")
+                lines.append(f"{full}{_labels(dict(labels))} {_number(value)}")
             for name, histogram in sorted(self._histograms.items()):
                 lines += histogram.render(f"{self.prefix}_{name}")
         for name, read in sorted(self.gauges.items()):
             full = f"{self.prefix}_{name}"
-            lines += [f"# TYPE {full} gauge", f"{full} {read():g}"]
+            lines += [f"# TYPE {full} gauge", f"{full} {_number(read())}"]
         text = "\n".join(lines) + "\n"
         for fragment in self.fragments:
             text += fragment()
         return text
+
+
+def _number(value: float) -> str:
+    """Exact for whole numbers (byte counters pass 1e6 quickly; `:g` would round them)."""
+    if float(value).is_integer():
+        return str(int(value))
+    return repr(float(value))
 
 
 def render_stats_gauges(prefix: str, stats: Mapping[str, object]) -> str:
@@ -111,11 +118,11 @@ def render_stats_gauges(prefix: str, stats: Mapping[str, object]) -> str:
         if isinstance(value, bool):
             value = int(value)
         if isinstance(value, (int, float)):
-            lines += [f"# TYPE {full} gauge", f"{full} {value:g}"]
+            lines += [f"# TYPE {full} gauge", f"{full} {_number(value)}"]
         elif isinstance(value, (Mapping, list, tuple)):
             items = value.items() if isinstance(value, Mapping) else enumerate(value)
             numeric = {k: v for k, v in items if isinstance(v, (int, float))}
             if numeric:
                 lines.append(f"# TYPE {full} gauge")
-                lines += [f'{full}{{key="{k}"}} {v:g}' for k, v in sorted(numeric.items(), key=str)]
+                lines += [f'{full}{{key="{k}"}} {_number(v)}' for k, v in sorted(numeric.items(), key=str)]
     return "\n".join(lines) + "\n" if lines else ""
