@@ -37,8 +37,11 @@ class Service:
 
 
 def start_service(name: str, args: Sequence[str], port: int, log_dir: Path,
-                  env: dict[str, str] | None = None) -> Service:
-    """Run `kvlink <args>` in its own process group, output to `log_dir/<name>.log`."""
+                  env: dict[str, str] | None = None, cpus: Sequence[int] | None = None) -> Service:
+    """Run `kvlink <args>` in its own process group, output to `log_dir/<name>.log`.
+
+    `cpus` pins the process (and the TP followers it starts) to those cores.
+    """
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     full_env = {**os.environ, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"),
@@ -46,6 +49,10 @@ def start_service(name: str, args: Sequence[str], port: int, log_dir: Path,
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "kvlink.cli.main", *args], stdout=log,
                                 stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+    if cpus:
+        # Set before the interpreter has started any thread; later threads and children inherit it.
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(proc.pid, set(cpus))
     return Service(name, proc, f"http://127.0.0.1:{port}", log_path)
 
 

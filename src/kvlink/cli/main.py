@@ -10,6 +10,7 @@ from collections.abc import Sequence
 # subcommand -> module defining `add_arguments(parser)` and `run(args) -> int`.
 # Modules are imported only when their command runs, so `kvlink plan` never loads torch.
 COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("kvlink.cli.demo_cmd", "start P, D, the proxy and a colocated instance; compare answers"),
     "plan": ("kvlink.cli.plan_cmd", "show the transfer plan between a P and a D configuration"),
     "serve": ("kvlink.cli.serve_cmd", "run an OpenAI-compatible prefill, decode or colocated instance"),
     "proxy": ("kvlink.cli.proxy_cmd", "route requests to prefill then decode instances"),
@@ -18,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 # `kvlink bench <name>`: one module per benchmark.
 BENCHES: dict[str, tuple[str, str]] = {
     "plan": ("kvlink.cli.bench_plan", "time per-request planning arrays"),
+    "serve": ("kvlink.cli.bench_serve", "TTFT, inter-token latency and throughput: 1P1D vs colocated"),
     "transfer": ("kvlink.cli.bench_transfer", "P/D worker processes: connector pull/push vs raw NIXL vs memcpy"),
 }
 

@@ -1,0 +1,54 @@
+"""`kvlink bench serve`: TTFT, inter-token latency and throughput, 1P1D through the proxy vs colocated."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from kvlink.engine.models import MODEL_NAMES
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", choices=MODEL_NAMES, default="smollm2-135m")
+    parser.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per request")
+    parser.add_argument("--requests", type=int, default=16, help="measured requests per setup")
+    parser.add_argument("--concurrency", type=int, default=2, help="requests in flight at once")
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per request")
+    parser.add_argument("--num-blocks", type=int, default=128)
+    parser.add_argument("--no-pin", action="store_true",
+                        help="do not pin processes to cores (default: P core 0, D core 1, "
+                             "colocated both, on machines with at least 2 cores)")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--plot", type=Path, default=None, help="write a PNG chart here")
+    parser.add_argument("--log-dir", type=Path, default=None, help="server logs (default: temporary)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvlink.bench.serve_bench import BenchConfig, plot, run_bench, table, write_json
+    from kvlink.bench.serve_cluster import Placement
+
+    if args.prompt_len < 2 or args.requests < 1 or args.concurrency < 1 or args.max_tokens < 1:
+        print("kvlink bench serve: --prompt-len must be >= 2 and --requests, --concurrency, "
+              "--max-tokens >= 1")
+        return 2
+    placement = Placement() if args.no_pin else Placement.pinned()
+    config = BenchConfig(args.model, args.prompt_len, args.requests, args.concurrency,
+                         args.max_tokens, args.num_blocks, placement=placement, log_dir=args.log_dir)
+    try:
+        report = run_bench(config, progress=lambda line: print(line, flush=True))
+    except KeyboardInterrupt:
+        print("interrupted; every process was stopped")
+        return 130
+    except (RuntimeError, TimeoutError) as error:
+        print(f"kvlink bench serve: {error}")
+        return 1
+    print()
+    print(f"CPU placement: {report['placement']}")
+    print(table(report))
+    if args.json:
+        write_json(report, args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(report, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
