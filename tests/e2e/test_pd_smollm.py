@@ -1,0 +1,197 @@
+"""SmolLM2 through P -> proxy -> D, real processes: same greedy answers as colocated, only missing
+blocks move, the openai client works, bad requests get a 4xx that says why and leak nothing."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from e2e_helpers import (
+    BLOCK_SIZE,
+    NUM_BLOCKS,
+    assert_clean,
+    cluster_for,
+    complete,
+    completion_text,
+    spec,
+)
+
+from kvlink.bench.serve_cluster import Cluster
+from kvlink.cli.demo_cmd import PASSAGE
+from kvlink.cli.launcher import free_port
+
+openai = pytest.importorskip("openai")
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+MODEL = "smollm2-135m"
+VOCAB = 49152
+PROMPTS = ("The capital of France is", f"{PASSAGE}\n\nIn one sentence, the story is about")
+
+
+@pytest.fixture(scope="module")
+def smollm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    yield from cluster_for(spec(MODEL), tmp_path_factory, "smollm-1-1")
+
+
+@pytest.fixture(scope="module")
+def smollm_p3_d1(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    yield from cluster_for(spec(MODEL, p_tp=3, d_tp=1, colocated=False), tmp_path_factory, "smollm-3-1")
+
+
+def urls(cluster: Cluster) -> tuple[str, str, str]:
+    assert cluster.proxy and cluster.decode and cluster.prefill
+    return cluster.proxy.url, cluster.decode.url, cluster.prefill.url
+
+
+def colocated_url(cluster: Cluster) -> str:
+    assert cluster.colocated is not None
+    return cluster.colocated.url
+
+
+def bytes_per_block() -> int:
+    """One logical block of every layer on a TP-1 worker, from the layout (not from a transfer)."""
+    from kvlink.engine.model import load_config, smollm2_gguf_path
+    from kvlink.engine.model.base import llama_spec
+    from kvlink.layout.tensors import kv_tensor_specs
+
+    model = llama_spec(load_config(smollm2_gguf_path()))
+    item = {"float32": 4, "bfloat16": 2, "float16": 2}[model.dtype]
+    tensors = kv_tensor_specs(model, 1, BLOCK_SIZE, BLOCK_SIZE, NUM_BLOCKS)
+    return sum(math.prod(t.shape) * item for t in tensors) // NUM_BLOCKS
+
+
+def test_greedy_pd_equals_colocated_with_ttft_figures(smollm: Cluster) -> None:
+    proxy, _, _ = urls(smollm)
+    for prompt in PROMPTS:
+        want, _ = completion_text(colocated_url(smollm), prompt, 12)
+        got, body = completion_text(proxy, prompt, 12)
+        assert got == want != ""
+        figures = body["kvlink"]
+        blocks = math.ceil((body["usage"]["prompt_tokens"] - 1) / BLOCK_SIZE)
+        assert figures["role"] == "decode"
+        assert 0 < figures["kv_bytes"] <= blocks * bytes_per_block()
+        assert 0 <= figures["kv_transfer_s"] <= figures["ttft_s"]
+        assert figures["prefill_s"] > 0
+    chat = {"messages": [{"role": "user", "content": "Name a large city in Japan."}],
+            "max_tokens": 10, "temperature": 0}
+    answers = [httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60).json()
+               for url in (proxy, colocated_url(smollm))]
+    assert answers[0]["choices"][0]["message"] == answers[1]["choices"][0]["message"]
+    assert "kvlink" not in answers[1]
+    assert_clean(smollm)
+
+
+def test_shared_prefix_moves_only_the_missing_blocks(smollm: Cluster) -> None:
+    proxy, decode, _ = urls(smollm)
+    rng = random.Random(7)
+    first = [rng.randrange(100, VOCAB) for _ in range(100)]
+    shared = 4 * BLOCK_SIZE
+    second = first[:shared] + [rng.randrange(100, VOCAB) for _ in range(26)]
+    per_block = bytes_per_block()
+
+    _, body = completion_text(proxy, first, 2)
+    assert body["kvlink"]["kv_bytes"] == math.ceil((len(first) - 1) / BLOCK_SIZE) * per_block
+
+    before = kv_bytes_total(decode)
+    _, body = completion_text(proxy, second, 2)
+    # D holds the first 4 blocks from the first request; tokens [64, 89) are missing: 2 blocks.
+    missing_blocks = math.ceil((len(second) - 1) / BLOCK_SIZE) - shared // BLOCK_SIZE
+    assert missing_blocks == 2
+    assert body["kvlink"]["kv_bytes"] == missing_blocks * per_block
+    assert kv_bytes_total(decode) - before == missing_blocks * per_block
+    want, _ = completion_text(colocated_url(smollm), second, 2)
+    assert body["choices"][0]["text"] == want
+    assert_clean(smollm)
+
+
+def kv_bytes_total(url: str) -> int:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    match = re.search(r"^kvlink_server_kv_bytes_total(?:\{\})? ([0-9.e+]+)$", text, re.MULTILINE)
+    return int(float(match.group(1))) if match else 0
+
+
+def test_openai_client_through_the_proxy(smollm: Cluster) -> None:
+    proxy, _, _ = urls(smollm)
+    clients = [openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=60, max_retries=0)
+               for url in (proxy, colocated_url(smollm))]
+    messages = [{"role": "user", "content": "What is the capital of Italy?"}]
+    whole = [c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+             for c in clients]
+    assert whole[0].choices[0].message.content == whole[1].choices[0].message.content
+    assert whole[0].usage is not None and whole[0].usage.completion_tokens >= 1
+    stream = clients[0].chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
+                                                temperature=0, stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+        whole[1].choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == whole[1].choices[0].finish_reason
+    text = clients[0].completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6,
+                                         temperature=0).choices[0].text
+    assert text == clients[1].completions.create(model=MODEL, prompt="Once upon a time",
+                                                 max_tokens=6, temperature=0).choices[0].text
+    with httpx.stream("POST", f"{proxy}/v1/completions", timeout=60,
+                      json={"prompt": "Once upon a time", "max_tokens": 3, "stream": True}) as raw:
+        assert float(raw.headers["x-kvlink-prefill-s"]) > 0
+        events = [json.loads(line[6:]) for line in raw.iter_lines()
+                  if line.startswith("data: {")]
+    assert events[-1]["kvlink"]["kv_bytes"] > 0
+    assert_clean(smollm)
+
+
+def test_bad_requests_get_4xx_saying_why_and_leak_nothing(smollm: Cluster) -> None:
+    proxy, decode, _ = urls(smollm)
+    engine_id, kv_port = smollm.connectors["prefill"]
+    remote = {"do_remote_prefill": True, "remote_engine_id": engine_id, "remote_request_id": "gone",
+              "remote_block_ids": [[1]], "remote_host": "127.0.0.1", "remote_port": kv_port,
+              "tp_size": 1}
+    too_long = [100] * (NUM_BLOCKS * BLOCK_SIZE + 10)
+    cases: list[tuple[str, str, dict[str, object], str]] = [
+        ("direct to D: params missing a field", decode,
+         {"kv_transfer_params": {"do_remote_prefill": True}}, "remote_engine_id"),
+        ("direct to D: params not an object", decode, {"kv_transfer_params": "x"}, "kv_transfer_params"),
+        ("direct to D: bad port", decode,
+         {"kv_transfer_params": {**remote, "remote_port": 70000}}, "not a TCP port"),
+        ("direct to D: unknown remote engine", decode,
+         {"kv_transfer_params": {**remote, "remote_engine_id": "nope"}}, "not 'nope'"),
+        ("direct to D: unreachable side channel", decode,
+         {"kv_transfer_params": {**remote, "remote_engine_id": "elsewhere",
+                                 "remote_port": free_port()}}, "Connection refused"),
+        ("direct to D: block ids out of range", decode,
+         {"kv_transfer_params": {**remote, "remote_block_ids": [[NUM_BLOCKS + 5]]}},
+         f"[0, {NUM_BLOCKS})"),
+        ("direct to D: prompt longer than the context", decode,
+         {"prompt": too_long, "kv_transfer_params": remote}, "maximum context length"),
+        ("proxy: prompt longer than the context", proxy, {"prompt": too_long}, "maximum context length"),
+        ("direct to D: max_tokens past the context", decode,
+         {"max_tokens": 10_000, "kv_transfer_params": remote}, "reduce max_tokens"),
+        ("proxy: bad temperature", proxy, {"temperature": 7}, "temperature"),
+        ("proxy: streaming, prompt too long", proxy, {"prompt": too_long, "stream": True},
+         "maximum context length"),
+    ]
+    for name, url, overrides, needle in cases:
+        body = {"prompt": "Hello there", "max_tokens": 3, "temperature": 0, **overrides}
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert 400 <= response.status_code < 500, f"{name}: HTTP {response.status_code} {response.text}"
+        message = response.json()["error"]["message"]
+        assert needle in message, f"{name}: {message!r} does not mention {needle!r}"
+    response = httpx.post(f"{proxy}/v1/completions", content=b"{not json", timeout=10)
+    assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
+    assert_clean(smollm)
+    # D still serves after refusing all of that.
+    assert complete(proxy, "The capital of France is", 2).status_code == 200
+    assert_clean(smollm)
+
+
+def test_heterogeneous_tp_p3_d1_equals_colocated(smollm: Cluster, smollm_p3_d1: Cluster) -> None:
+    proxy, _, _ = urls(smollm_p3_d1)
+    for prompt in PROMPTS:
+        want, _ = completion_text(colocated_url(smollm), prompt, 8)
+        got, body = completion_text(proxy, prompt, 8)
+        assert got == want != ""
+        assert body["kvlink"]["kv_bytes"] > 0
+    assert_clean(smollm_p3_d1)
