@@ -1,0 +1,164 @@
+"""`kvlink bench load`: many requests through the proxy against a local 1P1D; nothing may leak.
+
+Starts prefill, decode and proxy (each in its own process group, stopped by PID), sends
+`--requests` streaming completions with mixed prompt lengths and short outputs, of which
+`--cancel-fraction` are abandoned by the client mid-flight, with bounded concurrency and a
+total time limit. Then checks that both instances hold no blocks, leases, loads or open
+transfers, and reports throughput, TTFT p50/p99 and errors (only cancels are allowed).
+`--soak-minutes M` sends the same kind of stream at a low rate with idle gaps for M
+minutes and reports how the resident memory of each process grows per 1000 requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kvlink.serve.factory import MODEL_NAMES
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", choices=MODEL_NAMES, default="smollm2-135m")
+    parser.add_argument("--requests", type=int, default=500)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--cancel-fraction", type=float, default=0.1)
+    parser.add_argument("--max-prompt-words", type=int, default=300)
+    parser.add_argument("--time-limit-s", type=float, default=1200.0,
+                        help="stop launching requests after this long")
+    parser.add_argument("--num-blocks", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per instance")
+    parser.add_argument("--soak-minutes", type=float, default=None,
+                        help="soak mode: a low-rate stream with idle gaps for this many minutes")
+    parser.add_argument("--soak-rate", type=float, default=2.0, help="requests per second while soaking")
+    parser.add_argument("--soak-batch", type=int, default=100, help="requests between idle gaps")
+    parser.add_argument("--soak-gap-s", type=float, default=5.0, help="idle gap between batches")
+    parser.add_argument("--log-dir", type=Path, default=None)
+    parser.add_argument("--json", type=Path, default=None, help="write the summary here")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvlink.bench.load_cluster import Cluster, ClusterConfig
+
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvlink-bench-load-"))
+    config = ClusterConfig(model=args.model, num_blocks=args.num_blocks, threads=args.threads,
+                           lease_s=30.0, request_timeout_s=120.0, proxy_timeout_s=120.0)
+    cluster = Cluster(config, log_dir)
+    print(f"kvlink bench load: model {args.model}, logs in {log_dir}")
+    started = time.monotonic()
+    cluster.start(timeout_s=300)
+    print(f"1P1D + proxy up in {time.monotonic() - started:.1f}s")
+    try:
+        summary = _soak(cluster, args) if args.soak_minutes else _load(cluster, args)
+    finally:
+        cluster.stop()
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=2))
+    return 0 if summary.get("passed") else 1
+
+
+def _load(cluster: Any, args: argparse.Namespace) -> dict[str, Any]:
+    from kvlink.bench.load import plan_requests, run_load
+
+    planned = plan_requests(args.requests, args.seed, args.cancel_fraction, args.max_prompt_words)
+    cancels = sum(1 for p in planned if p.cancel_after_s is not None)
+    print(f"sending {len(planned)} requests ({cancels} to be cancelled), concurrency {args.concurrency}")
+    result = asyncio.run(run_load(cluster.proxy.url, planned, args.concurrency, args.time_limit_s))
+    summary: dict[str, Any] = {"mode": "load", "model": args.model, "concurrency": args.concurrency,
+                               **result.summary(), "timed_out": result.timed_out}
+    summary.update(_leak_check(cluster))
+    errors = [o for o in result.outcomes if o.kind == "error"]
+    for outcome in errors[:5]:
+        print(f"  error on request {outcome.index}: {outcome.error}")
+    summary["passed"] = not errors and not summary["leaks"] and not result.timed_out
+    _print(summary)
+    return summary
+
+
+def _leak_check(cluster: Any) -> dict[str, Any]:
+    from kvlink.bench.load_cluster import leaks, wait_clean
+
+    urls = {"prefill": cluster.prefill.url, "decode": cluster.decode.url}
+    try:
+        took = wait_clean(list(urls.values()), cluster.config.num_blocks, timeout_s=60)
+        found: dict[str, list[str]] = {}
+    except AssertionError:
+        took = {}
+        found = {side: leaks(cluster.state(side), cluster.config.num_blocks) for side in urls}
+    out: dict[str, Any] = {"leaks": {k: v for k, v in found.items() if v}}
+    for side in urls:
+        connector = cluster.state(side)["engine"].get("connector", {})
+        for name in ("leases", "loads_in_flight", "open_transfers"):
+            out[f"{side}_{name}"] = connector.get(name, 0)
+        out[f"{side}_clean_after_s"] = took.get(urls[side], math.nan)
+    return out
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def _soak(cluster: Any, args: argparse.Namespace) -> dict[str, Any]:
+    from kvlink.bench.load import plan_requests, run_load
+
+    procs = {"prefill": cluster.prefill.proc.pid, "decode": cluster.decode.proc.pid,
+             "proxy": cluster.proxy.proc.pid}
+    deadline = time.monotonic() + args.soak_minutes * 60
+    samples: list[tuple[int, dict[str, int]]] = []
+    sent = errors = 0
+    batch = 0
+    print(f"soaking for {args.soak_minutes:g} min at {args.soak_rate:g} req/s, "
+          f"{args.soak_batch} requests then {args.soak_gap_s:g}s idle")
+    while time.monotonic() < deadline:
+        planned = plan_requests(args.soak_batch, args.seed + batch, args.cancel_fraction,
+                                args.max_prompt_words)
+        left = deadline - time.monotonic()
+        result = asyncio.run(run_load(cluster.proxy.url, planned, args.concurrency, left,
+                                      rate_rps=args.soak_rate, progress=lambda _: None))
+        sent += len(result.outcomes)
+        errors += result.count("error")
+        batch += 1
+        time.sleep(args.soak_gap_s)
+        rss = {name: _rss_kib(pid) for name, pid in procs.items()}
+        samples.append((sent, rss))
+        print(f"  {sent} requests, {errors} errors, RSS MiB "
+              + ", ".join(f"{k} {v / 1024:.0f}" for k, v in rss.items()))
+    summary: dict[str, Any] = {"mode": "soak", "model": args.model, "minutes": args.soak_minutes,
+                               "requests": sent, "errors": errors}
+    # Growth per 1000 requests: least-squares slope after the first batch (warm-up).
+    fit = samples[1:] if len(samples) > 2 else samples
+    for name in procs:
+        summary[f"{name}_rss_mib_start"] = samples[0][1][name] / 1024 if samples else math.nan
+        summary[f"{name}_rss_mib_end"] = samples[-1][1][name] / 1024 if samples else math.nan
+        summary[f"{name}_rss_kib_per_1000_requests"] = _slope(
+            [(n, rss[name]) for n, rss in fit]) * 1000
+    summary.update(_leak_check(cluster))
+    summary["passed"] = errors == 0 and not summary["leaks"]
+    _print(summary)
+    return summary
+
+
+def _slope(points: list[tuple[int, int]]) -> float:
+    if len(points) < 2:
+        return math.nan
+    mean_x = sum(x for x, _ in points) / len(points)
+    mean_y = sum(y for _, y in points) / len(points)
+    var = sum((x - mean_x) ** 2 for x, _ in points)
+    return sum((x - mean_x) * (y - mean_y) for x, y in points) / var if var else math.nan
+
+
+def _print(summary: dict[str, Any]) -> None:
+    print("result:")
+    for key, value in summary.items():
+        shown = f"{value:.4g}" if isinstance(value, float) else value
+        print(f"  {key}: {shown}")
+    print("PASSED: no leaks, errors only from cancels" if summary.get("passed") else "FAILED")
