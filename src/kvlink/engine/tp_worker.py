@@ -51,6 +51,7 @@ def main(argv: list[str]) -> int:
     from kvlink.engine.kv_cache import allocate_kv_caches, register_with
     from kvlink.engine.models import load_model
     from kvlink.engine.tp import all_reduce, follow, init_group
+    from kvlink.transfer.agent_config import AgentConfig
 
     torch.set_num_threads(1)
     rank, tp = spec["rank"], spec["tp"]
@@ -63,7 +64,8 @@ def main(argv: list[str]) -> int:
         cfg = dict(spec["connector"])
         cfg["secret"] = cfg["secret"].encode() if cfg.get("secret") else None
         worker = NixlWorker(ConnectorConfig(**cfg), model.spec, tp, rank, spec["block_size"],
-                            spec["kernel_block_size"], spec["num_blocks"])
+                            spec["kernel_block_size"], spec["num_blocks"],
+                            AgentConfig(progress_thread=bool(spec.get("progress_thread"))))
         worker.register_kv_caches(*register_with(caches))
     follow(model, caches, worker)
     return 0

@@ -58,18 +58,21 @@ def build_engine(args: argparse.Namespace, progress: Progress = print) -> Served
     from kvlink.engine.tokenizer import Tokenizer
     from kvlink.engine.tp import TPConnectorWorker, TPModel, all_reduce, init_group, stop_followers
     from kvlink.engine.tp_worker import launch_followers
+    from kvlink.transfer.agent_config import AgentConfig
 
     started = time.monotonic()
     tp = args.tp
     kernel_block_size = args.kernel_block_size or args.block_size
     config = _connector_config(args) if args.role != "both" else None
+    progress_thread = bool(getattr(args, "progress_thread", False))
     followers: list[Any] = []
     if tp > 1:
         port = free_port()
         progress(f"starting {tp - 1} follower rank process(es) for --tp {tp}")
         followers = launch_followers(
             {"model": args.model, "tp": tp, "port": port, "block_size": args.block_size,
-             "kernel_block_size": kernel_block_size, "num_blocks": args.num_blocks}, config)
+             "kernel_block_size": kernel_block_size, "num_blocks": args.num_blocks,
+             "progress_thread": progress_thread}, config)
         init_group(0, tp, port)
     model, model_max_len = load_model(args.model, 0, tp, all_reduce if tp > 1 else None, progress)
     engine_model: Any = TPModel(model) if tp > 1 else model
@@ -81,7 +84,7 @@ def build_engine(args: argparse.Namespace, progress: Progress = print) -> Served
     if config is not None:
         scheduler = NixlScheduler(config, tp_size=tp)
         local_worker = NixlWorker(config, model.spec, tp, 0, args.block_size, kernel_block_size,
-                                  args.num_blocks)
+                                  args.num_blocks, AgentConfig(progress_thread=progress_thread))
         inner = TPConnectorWorker(local_worker, tp) if tp > 1 else local_worker
         worker = StatsTap(inner, exporter)
     progress(f"allocating {args.num_blocks} KV blocks of {args.block_size} tokens per group")
