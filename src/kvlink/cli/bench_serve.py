@@ -10,14 +10,17 @@ from kvlink.engine.models import MODEL_NAMES
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", choices=MODEL_NAMES, default="smollm2-135m")
-    parser.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per request")
-    parser.add_argument("--requests", type=int, default=16, help="measured requests per setup")
+    parser.add_argument("--prompt-len", type=int, default=256, help="prompt tokens per request")
+    parser.add_argument("--requests", type=int, default=12, help="measured requests per setup")
     parser.add_argument("--concurrency", type=int, default=2, help="requests in flight at once")
-    parser.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per request")
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens to generate per request")
     parser.add_argument("--num-blocks", type=int, default=128)
     parser.add_argument("--no-pin", action="store_true",
                         help="do not pin processes to cores (default: P core 0, D core 1, "
                              "colocated both, on machines with at least 2 cores)")
+    parser.add_argument("--no-progress-thread", action="store_true",
+                        help="start P and D without NIXL's progress thread (the serve default); "
+                             "then D's READs wait while P runs a forward pass")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG chart here")
     parser.add_argument("--log-dir", type=Path, default=None, help="server logs (default: temporary)")
@@ -33,7 +36,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     placement = Placement() if args.no_pin else Placement.pinned()
     config = BenchConfig(args.model, args.prompt_len, args.requests, args.concurrency,
-                         args.max_tokens, args.num_blocks, placement=placement, log_dir=args.log_dir)
+                         args.max_tokens, args.num_blocks, placement=placement, log_dir=args.log_dir,
+                         progress_thread=not args.no_progress_thread)
     try:
         report = run_bench(config, progress=lambda line: print(line, flush=True))
     except KeyboardInterrupt:
@@ -43,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvlink bench serve: {error}")
         return 1
     print()
-    print(f"CPU placement: {report['placement']}")
+    print(f"CPU placement: {report['placement']}; NIXL progress thread "
+          f"{'on' if report['progress_thread'] else 'off'}")
     print(table(report))
     if args.json:
         write_json(report, args.json)
