@@ -84,9 +84,25 @@ def upstream_message(response: httpx.Response) -> str:
     return response.text[:300] or "(empty body)"
 
 
+def _error_code(response: httpx.Response) -> str | None:
+    try:
+        error = response.json().get("error")
+    except (ValueError, AttributeError):
+        return None
+    return str(error.get("code")) if isinstance(error, dict) else None
+
+
 def status_error(side: str, url: str, response: httpx.Response) -> APIError:
     """4xx keeps its status (the client's request is at fault); 5xx becomes 502."""
     message = upstream_message(response)
+    if side == "decode" and _error_code(response) == "invalid_kv_transfer_params":
+        # The proxy got these params from P, so they are not the client's fault: most often P
+        # died or restarted after answering. A 4xx would tell the client not to retry.
+        return APIError(
+            502, f"decode instance {url} could not load the KV cache the prefill instance "
+                 f"prepared (is the prefill instance still up?): {message}",
+            "decode_kv_load_failed",
+        )
     if response.status_code < 500:
         return APIError(
             response.status_code,
