@@ -29,7 +29,10 @@ class StatsTap(ConnectorWorker):
     def get_finished(self) -> WorkerOutput:
         out = self.inner.get_finished()
         now = self._clock()
-        if out.transfer_figures or now - self._last >= self.interval_s:
+        # Any finish or failure refreshes the figures now: the engine may go idle right after
+        # (no more steps), and /metrics would keep showing the counters from before it.
+        news = out.transfer_figures or out.failed_recving or out.finished_sending
+        if news or now - self._last >= self.interval_s:
             self._last = now
             self.exporter.update(self.inner.get_stats())
         return out
