@@ -35,6 +35,8 @@ class ClusterConfig:
     threads: int = 1
     reference: bool = False  # also start a colocated `--role both` instance for expected texts
     env: dict[str, str] = field(default_factory=dict)  # extra env for P and D (e.g. UCX_TLS=tcp)
+    prefill_env: dict[str, str] = field(default_factory=dict)  # on top of `env`, P only
+    decode_env: dict[str, str] = field(default_factory=dict)  # on top of `env`, D only
     prefill_host: str = "127.0.0.1"
     decode_host: str = "127.0.0.1"
     prefill_netns: str | None = None  # run P inside this network namespace (`ip netns exec`)
@@ -82,7 +84,7 @@ class Cluster:
         self.prefill = self._start("prefill", [
             "serve", "--role", "prefill", "--host", c.prefill_host, "--port", str(self.p_port),
             "--kv-port", str(self.kv_port), "--engine-id", self.engine_id, "--lease-s", str(c.lease_s),
-            *self._common()], self.p_port, c.prefill_host, c.prefill_netns, c.env)
+            *self._common()], self.p_port, c.prefill_host, c.prefill_netns, {**c.env, **c.prefill_env})
         return self.prefill
 
     def start_decode(self) -> Service:
@@ -92,7 +94,7 @@ class Cluster:
             "--kv-port", "0", "--engine-id", f"D-{os.getpid()}-{self.d_port}",
             "--stall-timeout-s", str(c.stall_timeout_s), "--lease-s", str(c.lease_s),
             "--load-failure-policy", c.load_failure_policy, *self._common()],
-            self.d_port, c.decode_host, c.decode_netns, c.env)
+            self.d_port, c.decode_host, c.decode_netns, {**c.env, **c.decode_env})
         return self.decode
 
     def start_proxy(self) -> Service:

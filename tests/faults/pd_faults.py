@@ -1,0 +1,150 @@
+"""Helpers for fault cases against a real P/D cluster: timed requests, metrics, fault windows."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from kvlink.bench.load_cluster import Cluster
+
+
+@dataclass
+class Result:
+    status: int | None  # None: transport error (connection reset, timeout)
+    text: str | None
+    error: str | None
+    elapsed_s: float
+
+
+def complete(url: str, prompt: str, max_tokens: int, timeout_s: float) -> Result:
+    """One non-streaming completion; never waits past `timeout_s`."""
+    started = time.monotonic()
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    try:
+        response = httpx.post(url + "/v1/completions", json=body, timeout=timeout_s)
+    except httpx.HTTPError as error:
+        return Result(None, None, repr(error), time.monotonic() - started)
+    elapsed = time.monotonic() - started
+    answer = response.json()
+    if response.status_code == 200:
+        return Result(200, answer["choices"][0]["text"], None, elapsed)
+    return Result(response.status_code, None, answer.get("error", {}).get("message"), elapsed)
+
+
+def prompt_of(i: int) -> str:
+    """Mixed prompt lengths (about 10 to 300 tokens), distinct per i."""
+    words = ["alpha", "river", "stone", "quiet", "seven", "lamp", "north", "glass"]
+    n = 5 + (i * 37) % 150
+    return f"request {i}: " + " ".join(words[(i + k) % len(words)] for k in range(n))
+
+
+class Expected:
+    """Texts of the colocated reference instance, computed once per (prompt, max_tokens)."""
+
+    def __init__(self, reference_url: str) -> None:
+        self.url = reference_url
+        self._cache: dict[tuple[str, int], str] = {}
+
+    def __call__(self, prompt: str, max_tokens: int) -> str:
+        key = (prompt, max_tokens)
+        if key not in self._cache:
+            result = complete(self.url, prompt, max_tokens, 30)
+            assert result.status == 200 and result.text is not None, result
+            self._cache[key] = result.text
+        return self._cache[key]
+
+
+def run_stream(url: str, indices: range, expected: Expected, max_tokens: int = 8,
+               timeout_s: float = 20.0) -> list[Result]:
+    """Requests one after another; each must be 200 with the reference text."""
+    results = []
+    for i in indices:
+        result = complete(url, prompt_of(i), max_tokens, timeout_s)
+        assert result.status == 200, f"request {i}: {result}"
+        assert result.text == expected(prompt_of(i), max_tokens), f"request {i}: wrong text"
+        results.append(result)
+    return results
+
+
+def in_background(fn: Callable[[], Result]) -> Callable[[float], Result]:
+    """Run `fn` in a thread; the returned function joins it with a deadline."""
+    box: list[Result] = []
+    thread = threading.Thread(target=lambda: box.append(fn()), daemon=True)
+    thread.start()
+
+    def join(timeout_s: float) -> Result:
+        thread.join(timeout_s)
+        assert box, f"client still waiting after {timeout_s}s"
+        return box[0]
+
+    return join
+
+
+def metric(url: str, name: str) -> float:
+    """Sum of every sample of a Prometheus metric whose name ends with `name`."""
+    text = httpx.get(url + "/metrics", timeout=5).text
+    total = 0.0
+    for line in text.splitlines():
+        match = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)$", line)
+        if match and match.group(1).endswith(name):
+            total += float(match.group(3))
+    return total
+
+
+def wait_for(cond: Callable[[], bool], timeout_s: float, what: str) -> float:
+    started = time.monotonic()
+    while not cond():
+        if time.monotonic() - started > timeout_s:
+            raise AssertionError(f"{what} not seen within {timeout_s}s")
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+def connector(cluster: Cluster, which: str) -> dict[str, Any]:
+    state: dict[str, Any] = cluster.state(which)["engine"]["connector"]
+    return state
+
+
+def request_parked_at_decode(cluster: Cluster, request: Callable[[], Result]) -> Callable[[float], Result]:
+    """Start `request` through the proxy with D frozen, so P finishes the prefill and holds the
+    blocks while D has not started reading. Returns the join function; D is still stopped."""
+    cluster.signal("decode", signal.SIGSTOP)
+    try:
+        join = in_background(request)
+        wait_for(lambda: connector(cluster, "prefill")["leases"] >= 1, 20, "P holding the request")
+        wait_for(lambda: unread_bytes(cluster.d_port) > 0, 20, "the request waiting in D's socket")
+    except BaseException:
+        cluster.signal("decode", signal.SIGCONT)
+        raise
+    return join
+
+
+def unread_bytes(port: int) -> int:
+    """Bytes received by the kernel but not yet read, on established TCP sockets of local `port`."""
+    out = subprocess.run(["ss", "-tnH", "state", "established", f"( sport = :{port} )"],
+                         capture_output=True, text=True, timeout=5, check=True).stdout
+    return sum(int(line.split()[0]) for line in out.splitlines() if line.strip())
+
+
+def read_posted_against_frozen_p(cluster: Cluster, request: Callable[[], Result]) -> Callable[[float], Result]:
+    """D's READ is posted and in flight while P is frozen (UCX over TCP: it stays PROC).
+
+    Returns the join function; P is left stopped, D running."""
+    join = request_parked_at_decode(cluster, request)
+    cluster.signal("prefill", signal.SIGSTOP)
+    cluster.signal("decode", signal.SIGCONT)
+    try:
+        wait_for(lambda: connector(cluster, "decode")["open_transfers"] >= 1, 10, "D's READ in flight")
+    except AssertionError as error:
+        assert cluster.decode is not None
+        raise AssertionError(f"{error}; D state {cluster.state('decode')}; D log:\n"
+                             f"{cluster.decode.log_tail(8)}") from None
+    return join

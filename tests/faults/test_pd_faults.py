@@ -1,0 +1,261 @@
+"""Faults injected into a real 1P1D cluster (tiny-hybrid) through the proxy, by PID.
+
+UCX runs over TCP on loopback for this pair (`UCX_TLS=tcp`): over the default CMA path a
+SIGSTOPped P is still readable, so only TCP gives a frozen peer whose READ stalls. The
+"during a transfer" windows are made deterministic by freezing processes: D is frozen
+while P prefills (so the request waits at D, unread), and P is frozen once D's READ is
+posted (so the READ is in flight for as long as we want). Each case checks the client's
+wait, the answer (reference text or a clear error, never wrong text), that every
+surviving instance returns to its initial free blocks with no lease, load or open
+transfer, and that the next requests are served normally.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from pd_faults import (
+    Expected,
+    Result,
+    complete,
+    connector,
+    metric,
+    prompt_of,
+    read_posted_against_frozen_p,
+    request_parked_at_decode,
+    run_stream,
+    wait_for,
+)
+
+from kvlink.bench.load_cluster import Cluster, ClusterConfig, wait_clean
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+NUM_BLOCKS = 64
+LEASE_S = 3.0
+STALL_S = 2.0
+MAX_TOKENS = 8
+# What a client may wait, per case: the fault's own deadline plus slack for a busy 2-core box.
+SLACK_S = 4.0
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    config = ClusterConfig(num_blocks=NUM_BLOCKS, lease_s=LEASE_S, stall_timeout_s=STALL_S,
+                           load_failure_policy="recompute", reference=True,
+                           env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"})
+    # Logs outside pytest's rotating basetemp, so they survive for a post-mortem.
+    c = Cluster(config, Path(tempfile.gettempdir()) / f"kvlink-faults-{os.getpid()}")
+    c.start()
+    try:
+        yield c
+    finally:
+        for which in ("prefill", "decode"):  # never leave a stopped process behind
+            svc = getattr(c, which)
+            if svc is not None and svc.proc.poll() is None:
+                c.signal(which, signal.SIGCONT)
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(cluster: Cluster) -> Expected:
+    assert cluster.reference is not None
+    return Expected(cluster.reference.url)
+
+
+def _url(cluster: Cluster, which: str) -> str:
+    svc = getattr(cluster, which)
+    assert svc is not None
+    return str(svc.url)
+
+
+def _assert_clean(cluster: Cluster, timeout_s: float) -> dict[str, float]:
+    urls = [_url(cluster, w) for w in ("prefill", "decode") if getattr(cluster, w) is not None
+            and getattr(cluster, w).proc.poll() is None]
+    return wait_clean(urls, NUM_BLOCKS, timeout_s)
+
+
+def _ask(cluster: Cluster, i: int, timeout_s: float, max_tokens: int = MAX_TOKENS) -> Result:
+    return complete(_url(cluster, "proxy"), prompt_of(i), max_tokens, timeout_s)
+
+
+def test_baseline_stream_matches_colocated(cluster: Cluster, expected: Expected) -> None:
+    run_stream(_url(cluster, "proxy"), range(0, 6), expected)
+    _assert_clean(cluster, 5)
+
+
+def test_p_frozen_mid_transfer_stall_deadline_then_resume(cluster: Cluster, expected: Expected) -> None:
+    d_url = _url(cluster, "decode")
+    stalls = metric(d_url, "stalled_transfers_total")
+    join = read_posted_against_frozen_p(cluster, lambda: _ask(cluster, 100, STALL_S + 2 * SLACK_S))
+    try:
+        result = join(STALL_S + 2 * SLACK_S)
+        # Policy recompute: D prefills locally after the stall deadline; same text as colocated.
+        assert result.status == 200 and result.text == expected(prompt_of(100), MAX_TOKENS), result
+        assert STALL_S <= result.elapsed_s < STALL_S + SLACK_S, result.elapsed_s
+        wait_for(lambda: metric(d_url, "stalled_transfers_total") > stalls, 5, "stall counted")
+        _assert_clean_decode(cluster)
+    finally:
+        cluster.signal("prefill", signal.SIGCONT)
+    # The late completion (P answers the GET after SIGCONT) must not touch reused blocks.
+    took = _assert_clean(cluster, LEASE_S + SLACK_S)
+    assert took[_url(cluster, "prefill")] <= LEASE_S + SLACK_S
+    run_stream(_url(cluster, "proxy"), range(101, 107), expected)
+    _assert_clean(cluster, 5)
+
+
+def _assert_clean_decode(cluster: Cluster) -> None:
+    wait_clean([_url(cluster, "decode")], NUM_BLOCKS, 5)
+
+
+def test_p_killed_mid_transfer(cluster: Cluster, expected: Expected) -> None:
+    join = read_posted_against_frozen_p(cluster, lambda: _ask(cluster, 200, STALL_S + 2 * SLACK_S))
+    killed = time.monotonic()
+    cluster.signal("prefill", signal.SIGKILL)
+    result = join(STALL_S + 2 * SLACK_S)
+    assert result.status == 200 and result.text == expected(prompt_of(200), MAX_TOKENS), result
+    # A dead peer is detected by the transport, well before the stall deadline.
+    assert time.monotonic() - killed < STALL_S, "D waited for the stall deadline, not the disconnect"
+    wait_for(lambda: metric(_url(cluster, "decode"), "failed_transfers_total") >= 1, 5, "failure counted")
+    _assert_clean_decode(cluster)
+    cluster.restart("prefill")
+    run_stream(_url(cluster, "proxy"), range(201, 205), expected)
+    _assert_clean(cluster, 5)
+
+
+def test_p_restarted_same_engine_id_rehandshakes(cluster: Cluster, expected: Expected) -> None:
+    d_url = _url(cluster, "decode")
+    assert cluster.engine_id in connector(cluster, "decode")["remote_engines"]
+    failed = metric(d_url, "failed_transfers_total")
+    transfers = metric(d_url, "transfers_total")
+    cluster.signal("prefill", signal.SIGKILL)
+    cluster.restart("prefill")
+    run_stream(_url(cluster, "proxy"), range(300, 304), expected)
+    assert cluster.decode is not None
+    log = cluster.decode.log_path.read_text(errors="replace")
+    assert "re-handshaking with " + cluster.engine_id + " once" in log
+    # Loaded over NIXL after the re-handshake, not recomputed: no failed transfer.
+    wait_for(lambda: metric(d_url, "transfers_total") >= transfers + 4, 5, "4 transfers counted")
+    assert metric(d_url, "failed_transfers_total") == failed
+    _assert_clean(cluster, 5)
+
+
+def test_d_killed_with_the_request_accepted_p_frees_on_lease_expiry(
+        cluster: Cluster, expected: Expected) -> None:
+    # D dies after accepting the request and before its READ completes. (Killing D while its
+    # READ waits on a non-progressing P over TCP aborts P inside UCX: see RELIABILITY.md.)
+    join = request_parked_at_decode(cluster, lambda: _ask(cluster, 400, 30))
+    cluster.signal("decode", signal.SIGKILL)
+    result = join(10)
+    assert result.status == 502 and result.error and "decode" in result.error, result
+    took = wait_clean([_url(cluster, "prefill")], NUM_BLOCKS, LEASE_S + SLACK_S)
+    wait_for(lambda: metric(_url(cluster, "prefill"), "expired_leases_total") >= 1, 5, "expiry counted")
+    print(f"P free again {took} s after D's death (lease {LEASE_S} s)")
+    # The next cases run D with policy `fail`: a failed load is a clear error, never wrong text.
+    cluster.config.load_failure_policy = "fail"
+    cluster.restart("decode")
+    run_stream(_url(cluster, "proxy"), range(401, 405), expected)
+    _assert_clean(cluster, 5)
+
+
+def test_p_killed_before_d_reads_policy_fail(cluster: Cluster, expected: Expected) -> None:
+    join = request_parked_at_decode(cluster, lambda: _ask(cluster, 500, 30))
+    try:
+        cluster.signal("prefill", signal.SIGKILL)
+    finally:
+        cluster.signal("decode", signal.SIGCONT)
+    resumed = time.monotonic()
+    result = join(15)
+    # D's re-handshake finds nobody listening; through the proxy that is a 502 (P is at fault,
+    # not the client), saying what failed.
+    assert result.status == 502 and result.error and "Connection refused" in result.error, result
+    assert "could not load the KV cache" in result.error
+    assert time.monotonic() - resumed < 5 + SLACK_S  # handshake timeout (5 s) bounds the retry
+    _assert_clean_decode(cluster)
+    cluster.restart("prefill")
+    run_stream(_url(cluster, "proxy"), range(501, 505), expected)
+    _assert_clean(cluster, 5)
+
+
+def test_p_frozen_mid_transfer_policy_fail(cluster: Cluster, expected: Expected) -> None:
+    join = read_posted_against_frozen_p(cluster, lambda: _ask(cluster, 600, STALL_S + 2 * SLACK_S))
+    try:
+        result = join(STALL_S + 2 * SLACK_S)
+        assert result.status == 502 and result.error and "load_failure_policy" in result.error, result
+        assert "stalled" in result.error
+        assert result.elapsed_s < STALL_S + SLACK_S
+        _assert_clean_decode(cluster)
+    finally:
+        cluster.signal("prefill", signal.SIGCONT)
+    _assert_clean(cluster, LEASE_S + SLACK_S)
+    run_stream(_url(cluster, "proxy"), range(601, 605), expected)
+
+
+def _stream_lines(url: str, i: int, max_tokens: int, stop_after: int | None,
+                  lines: list[str], errors: list[str]) -> None:
+    body = {"prompt": prompt_of(i), "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=20) as response:
+            for line in response.iter_lines():
+                if line.startswith("data:"):
+                    lines.append(line)
+                if stop_after is not None and len(lines) >= stop_after:
+                    return  # leaving the with-block closes the connection
+    except httpx.HTTPError as error:
+        errors.append(repr(error))
+
+
+def test_proxy_restarted_with_requests_in_flight(cluster: Cluster, expected: Expected) -> None:
+    streams: list[tuple[list[str], list[str]]] = [([], []) for _ in range(4)]
+    threads = [threading.Thread(target=_stream_lines, args=(_url(cluster, "proxy"), 700 + k, 400, None,
+                                                            *streams[k]), daemon=True)
+               for k in range(4)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: sum(1 for lines, _ in streams if lines) >= 2, 15, "two streams under way")
+    killed = time.monotonic()
+    cluster.signal("proxy", signal.SIGKILL)
+    for t in threads:
+        t.join(5)
+        assert not t.is_alive(), "a client kept waiting after the proxy died"
+    print(f"clients released {time.monotonic() - killed:.2f}s after the proxy died")
+    for lines, errors in streams:
+        finished = bool(lines) and lines[-1] == "data: [DONE]"
+        assert errors or finished, "a stream ended without [DONE] and without an error"
+    _assert_clean(cluster, LEASE_S + SLACK_S)
+    cluster.restart("proxy")
+    run_stream(_url(cluster, "proxy"), range(710, 714), expected)
+
+
+def test_client_disconnects_mid_stream_on_d(cluster: Cluster) -> None:
+    lines: list[str] = []
+    errors: list[str] = []
+    _stream_lines(_url(cluster, "proxy"), 800, 400, 3, lines, errors)
+    assert len(lines) == 3 and not errors
+    took = _assert_clean(cluster, 5)
+    assert took[_url(cluster, "decode")] < 2.0, took
+
+
+def test_client_disconnects_mid_prefill_on_p(cluster: Cluster, expected: Expected) -> None:
+    d_url = _url(cluster, "decode")
+    d_requests = metric(d_url, "requests_total")
+    d_bytes = metric(d_url, "kv_bytes_total")
+    cluster.signal("prefill", signal.SIGSTOP)  # P busy: the request is not answered yet
+    try:
+        result = _ask(cluster, 900, 1.0)
+        assert result.status is None  # the client gave up and closed its connection
+        time.sleep(0.5)
+    finally:
+        cluster.signal("prefill", signal.SIGCONT)
+    _assert_clean(cluster, LEASE_S + SLACK_S)
+    assert metric(d_url, "requests_total") == d_requests, "D got a request nobody waits for"
+    assert metric(d_url, "kv_bytes_total") == d_bytes, "KV was transferred for nobody"
+    run_stream(_url(cluster, "proxy"), range(901, 904), expected)
