@@ -145,3 +145,50 @@ def test_refused_params_leave_the_engine_and_other_requests_untouched() -> None:
     engine.add_request("bad0", PROMPT, SamplingParams(max_tokens=2))
     while engine.has_unfinished():
         engine.step()
+
+
+# ---- params bound to their prompt, and signed with the shared secret -----------------------
+class _View:
+    def __init__(self, request_id: str, prompt: list[int], params: dict[str, Any] | None) -> None:
+        self.request_id, self.prompt_token_ids, self.kv_transfer_params = request_id, prompt, params
+        self.output_token_ids: list[int] = []
+
+
+def _p_params(secret: bytes | None, prompt: list[int]) -> dict[str, Any]:
+    p = NixlScheduler(ConnectorConfig("P", side_channel_port=5600, secret=secret), tp_size=1)
+    held, params = p.request_finished(_View("p1", prompt, {"do_remote_decode": True}),  # type: ignore[arg-type]
+                                      [[1, 2, 3], [4]], aborted=False)
+    assert held and params is not None
+    return params
+
+
+def _d(secret: bytes | None) -> NixlScheduler:
+    return NixlScheduler(ConnectorConfig("D", side_channel_port=0, secret=secret), tp_size=1)
+
+
+def test_params_for_another_prompt_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVLINK_SECRET", raising=False)
+    params = _p_params(None, PROMPT)
+    _d(None).on_new_request(_View("d1", PROMPT, params))  # type: ignore[arg-type]
+    with pytest.raises(InvalidTransferParams, match="another prompt"):
+        _d(None).on_new_request(_View("d2", [*PROMPT[:-1], 1], params))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("remote_block_ids", [[7, 8, 9], [4]]),  # another request's blocks
+    ("remote_engine_id", "P2"),
+    ("remote_request_id", "p2"),
+    ("remote_port", 5700),
+])
+def test_with_a_secret_altered_params_are_refused(monkeypatch: pytest.MonkeyPatch, field: str, value: Any) -> None:
+    monkeypatch.delenv("KVLINK_SECRET", raising=False)
+    secret = b"shared"
+    params = _p_params(secret, PROMPT)
+    _d(secret).on_new_request(_View("d1", PROMPT, params))  # type: ignore[arg-type]
+    with pytest.raises(InvalidTransferParams, match="kv_signature does not match"):
+        _d(secret).on_new_request(_View("d2", PROMPT, {**params, field: value}))  # type: ignore[arg-type]
+    with pytest.raises(InvalidTransferParams, match="no kv_signature"):
+        unsigned = {k: v for k, v in params.items() if k != "kv_signature"}
+        _d(secret).on_new_request(_View("d3", PROMPT, unsigned))  # type: ignore[arg-type]
+    with pytest.raises(InvalidTransferParams, match="kv_signature does not match"):
+        _d(b"other").on_new_request(_View("d4", PROMPT, params))  # type: ignore[arg-type]

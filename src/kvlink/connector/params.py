@@ -1,10 +1,18 @@
 """`kv_transfer_params`: the fields routers pass between P and D, validated before use.
 
-Field names follow vLLM's NixlConnector so existing routers work unchanged.
+Field names follow vLLM's NixlConnector so existing routers work unchanged. P adds two
+fields of its own: `prompt_hash` (D refuses params made for another prompt: a router that
+mixed up two requests would otherwise decode from the wrong KV) and, with a shared secret,
+`kv_signature`, an HMAC over everything D acts on, so a client that can reach D cannot
+point it at blocks of another request or another engine.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -29,6 +37,8 @@ class RemotePrefillParams(msgspec.Struct, forbid_unknown_fields=False):
     remote_num_tokens: int | None = None
     transfer_mode: str = "pull"
     do_remote_decode: bool = False
+    prompt_hash: str | None = None
+    kv_signature: str | None = None
 
 
 def _normalize_block_ids(raw: Any) -> Any:
@@ -68,6 +78,41 @@ def parse_remote_prefill(params: dict[str, Any]) -> RemotePrefillParams:
     if parsed.remote_num_tokens is not None and parsed.remote_num_tokens < 0:
         raise InvalidTransferParams("kv_transfer_params.remote_num_tokens must be >= 0")
     return parsed
+
+
+def prompt_hash(prompt_token_ids: Sequence[int]) -> str:
+    """A short digest of the prompt P prefilled; D compares it with its own prompt."""
+    data = b"".join(int(t).to_bytes(4, "little", signed=True) for t in prompt_token_ids)
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+_SIGNED_FIELDS = ("remote_engine_id", "remote_request_id", "remote_block_ids", "remote_host",
+                  "remote_port", "tp_size", "transfer_mode", "prompt_hash")
+
+
+def sign(params: dict[str, Any], secret: bytes) -> str:
+    body = json.dumps([params.get(k) for k in _SIGNED_FIELDS], separators=(",", ":"))
+    return hmac.new(secret, body.encode(), hashlib.sha256).hexdigest()
+
+
+def check_integrity(parsed: RemotePrefillParams, prompt_token_ids: Sequence[int],
+                    secret: bytes | None) -> None:
+    """Refuse params made for another prompt, and (with a secret) params P did not sign."""
+    if parsed.prompt_hash is not None and parsed.prompt_hash != prompt_hash(prompt_token_ids):
+        raise InvalidTransferParams(
+            "kv_transfer_params were made by the prefill instance for another prompt "
+            "(prompt_hash differs); send each request's own params with the same prompt")
+    if secret is None:
+        return
+    if parsed.kv_signature is None:
+        raise InvalidTransferParams(
+            "kv_transfer_params carry no kv_signature, but this instance requires params signed "
+            "by a prefill instance sharing its KVLINK_SECRET")
+    fields = msgspec.structs.asdict(parsed)
+    if not hmac.compare_digest(parsed.kv_signature, sign(fields, secret)):
+        raise InvalidTransferParams(
+            "kv_transfer_params.kv_signature does not match: the params were altered, or the "
+            "prefill instance uses another KVLINK_SECRET")
 
 
 def wants_remote_decode(params: dict[str, Any] | None) -> bool:

@@ -16,10 +16,14 @@ from kvlink.connector.api import ConnectorScheduler, RequestView, StepMetadata, 
 from kvlink.connector.config import ConnectorConfig
 from kvlink.connector.params import (
     RemotePrefillParams,
+    check_integrity,
     parse_remote_prefill,
+    prompt_hash,
+    sign,
     wants_remote_decode,
     wants_remote_prefill,
 )
+from kvlink.transfer.framing import resolve_secret
 
 
 @dataclass
@@ -42,6 +46,7 @@ class NixlScheduler(ConnectorScheduler):
         self._held: set[str] = set()
         self._step = StepMetadata()
         self._last_heartbeat = float("-inf")
+        self._secret = resolve_secret(config.secret)
 
     # ---- D side -------------------------------------------------------------------------
     def on_new_request(self, request: RequestView) -> None:
@@ -51,6 +56,7 @@ class NixlScheduler(ConnectorScheduler):
         if wants_remote_prefill(request.kv_transfer_params):
             assert request.kv_transfer_params is not None
             params = parse_remote_prefill(request.kv_transfer_params)
+            check_integrity(params, request.prompt_token_ids, self._secret)
             self._remote[request.request_id] = _RemoteRequest(params)
 
     def get_num_new_matched_tokens(
@@ -136,7 +142,7 @@ class NixlScheduler(ConnectorScheduler):
         self._step.saves.append(
             {"request_id": request.request_id, "block_ids": [list(ids) for ids in block_ids]}
         )
-        return True, {
+        params: dict[str, Any] = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self.config.engine_id,
@@ -147,7 +153,11 @@ class NixlScheduler(ConnectorScheduler):
             "tp_size": self.tp_size,
             "remote_num_tokens": max(0, len(request.prompt_token_ids) - 1),
             "transfer_mode": self.config.transfer_mode,
+            "prompt_hash": prompt_hash(request.prompt_token_ids),
         }
+        if self._secret is not None:
+            params["kv_signature"] = sign(params, self._secret)
+        return True, params
 
     def has_pending_work(self) -> bool:
         s = self._step
