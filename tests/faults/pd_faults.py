@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import signal
 import subprocess
 import threading
@@ -13,7 +12,9 @@ from typing import Any
 
 import httpx
 
-from kvlink.bench.load_cluster import Cluster
+from kvlink.bench.load_cluster import Cluster, metric
+
+__all__ = ["metric"]
 
 
 @dataclass
@@ -86,17 +87,6 @@ def in_background(fn: Callable[[], Result]) -> Callable[[float], Result]:
         return box[0]
 
     return join
-
-
-def metric(url: str, name: str) -> float:
-    """Sum of every sample of a Prometheus metric whose name ends with `name`."""
-    text = httpx.get(url + "/metrics", timeout=5).text
-    total = 0.0
-    for line in text.splitlines():
-        match = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)$", line)
-        if match and match.group(1).endswith(name):
-            total += float(match.group(3))
-    return total
 
 
 def wait_for(cond: Callable[[], bool], timeout_s: float, what: str) -> float:

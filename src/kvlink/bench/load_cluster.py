@@ -8,6 +8,7 @@ names everything still held: busy blocks, leases, loads in flight, open transfer
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from collections.abc import Callable, Sequence
@@ -163,6 +164,16 @@ def leaks(state: dict[str, Any], num_blocks: int) -> list[str]:
         if connector.get(name):
             found.append(f"{name}={connector[name]}")
     return found
+
+
+def metric(url: str, name: str) -> float:
+    """Sum of every sample in `url`/metrics of the Prometheus metrics whose name ends with `name`."""
+    total = 0.0
+    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+        match = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)$", line)
+        if match and match.group(1).endswith(name):
+            total += float(match.group(3))
+    return total
 
 
 def wait_clean(urls: Sequence[str], num_blocks: int, timeout_s: float) -> dict[str, float]:

@@ -1,0 +1,292 @@
+"""Bad input against live `kvlink serve` processes (tiny-hybrid P and D, and the proxy).
+
+* HTTP bodies and kv_transfer_params of wrong types, missing fields, huge or negative
+  block ids, another request's blocks, unknown engines: a 4xx naming the problem, the
+  server stays up, and a request streaming on the same server meanwhile is unaffected.
+* P's side channel gets truncated, oversized, wrong-version, wrong-typed and random
+  frames: each is refused and counted, and P keeps serving handshakes and requests.
+* A raw NIXL agent that loaded P's metadata from its handshake sends garbage and
+  notifications for unknown or freed requests: dropped and counted, no lease changes.
+* Everything listens on 127.0.0.1 by default.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvlink.bench.load_cluster import Cluster, ClusterConfig, metric, wait_clean
+from kvlink.connector.notifs import Done, Heartbeat, encode
+from kvlink.transfer.agent import NixlAgent
+from kvlink.transfer.side_channel import fetch_payload
+from kvlink.transfer.wire import PROTOCOL_VERSION
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+NUM_BLOCKS = 64
+PROMPT = "The quick brown fox " * 6
+HELD_PROMPT = PROMPT + " held"
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    c = Cluster(ClusterConfig(num_blocks=NUM_BLOCKS, lease_s=30.0, load_failure_policy="fail"),
+                Path(tempfile.gettempdir()) / f"kvlink-badinput-{os.getpid()}")
+    c.start()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def _urls(c: Cluster) -> tuple[str, str, str]:
+    assert c.proxy is not None and c.prefill is not None and c.decode is not None
+    return c.proxy.url, c.prefill.url, c.decode.url
+
+
+def _complete(url: str, body: dict[str, Any], timeout_s: float = 30) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", json=body, timeout=timeout_s)
+
+
+class Streaming:
+    """A long streaming request through the proxy, read in a thread while we misbehave."""
+
+    def __init__(self, proxy: str, max_tokens: int = 120) -> None:
+        self.text: list[str] = []
+        self.error: str | None = None
+        self.body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+        self._thread = threading.Thread(target=self._run, args=(proxy,), daemon=True)
+        self._thread.start()
+
+    def _run(self, proxy: str) -> None:
+        import json
+
+        try:
+            with httpx.stream("POST", proxy + "/v1/completions", json=self.body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        event = json.loads(line[6:])
+                        if "error" in event:
+                            self.error = str(event["error"])
+                        else:
+                            self.text.append(event["choices"][0]["text"])
+        except httpx.HTTPError as error:
+            self.error = repr(error)
+
+    def result(self, timeout_s: float = 60) -> str:
+        self._thread.join(timeout_s)
+        assert not self._thread.is_alive(), "the in-flight request did not finish"
+        assert self.error is None, self.error
+        return "".join(self.text)
+
+
+def _expected_text(proxy: str, max_tokens: int) -> str:
+    r = _complete(proxy, {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return str(r.json()["choices"][0]["text"])
+
+
+def _held_params(p_url: str) -> dict[str, Any]:
+    """Ask P directly to prefill for a remote decoder: it holds the blocks under a lease."""
+    r = _complete(p_url, {"prompt": HELD_PROMPT, "max_tokens": 1, "temperature": 0,
+                          "kv_transfer_params": {"do_remote_decode": True}})
+    assert r.status_code == 200, r.text
+    params: dict[str, Any] = r.json()["kv_transfer_params"]
+    return params
+
+
+def test_bad_http_bodies_and_params_get_4xx_while_a_stream_runs(cluster: Cluster) -> None:
+    proxy, p_url, d_url = _urls(cluster)
+    want = _expected_text(proxy, 120)
+    stream = Streaming(proxy)
+    good = _held_params(p_url)  # made for PROMPT + " held"
+    cases: list[tuple[str, str, Any, str]] = [
+        ("not JSON", proxy, b"{oops", "JSON"),
+        ("array body", d_url, [1, 2], ""),
+        ("prompt wrong type", d_url, {"prompt": {"a": 1}}, "prompt"),
+        ("max_tokens string", d_url, {"prompt": "x", "max_tokens": "many"}, "max_tokens"),
+        ("max_tokens negative", proxy, {"prompt": "x", "max_tokens": -1}, "max_tokens"),
+        ("temperature huge", proxy, {"prompt": "x", "temperature": 1e9}, "temperature"),
+        ("token id out of vocab", d_url, {"prompt": [10**9]}, "token ids must be in"),
+        ("params not an object", d_url, {"prompt": "x", "kv_transfer_params": [1]}, "kv_transfer_params"),
+        ("params missing fields", d_url, {"prompt": "x", "kv_transfer_params": {"do_remote_prefill": True}},
+         "remote_engine_id"),
+        ("negative block id", d_url, {"prompt": HELD_PROMPT, "kv_transfer_params":
+                                      {**good, "remote_block_ids": [[-1]]}}, "invalid block ids"),
+        ("huge block id", d_url, {"prompt": HELD_PROMPT, "kv_transfer_params":
+                                  {**good, "remote_block_ids": [[2**39, 2**39 + 1], [5]]}}, "block"),
+        ("block id past P's pool", d_url, {"prompt": HELD_PROMPT, "kv_transfer_params":
+                                           {**good, "remote_block_ids": [[NUM_BLOCKS + 3], [1]]}}, "block"),
+        ("params of another prompt", d_url, {"prompt": PROMPT + " other", "kv_transfer_params": good},
+         "another prompt"),
+        ("unknown engine id", d_url, {"prompt": HELD_PROMPT, "kv_transfer_params":
+                                      {**good, "remote_engine_id": "nobody"}}, "nobody"),
+        ("do_remote_decode not a bool", p_url, {"prompt": "x", "kv_transfer_params": {"do_remote_decode": 7}},
+         "do_remote_decode"),
+        ("do_remote_prefill not a bool", d_url, {"prompt": "x", "kv_transfer_params": {"do_remote_prefill": "y"}},
+         "do_remote_prefill"),
+    ]
+    for name, url, body, needle in cases:
+        if isinstance(body, bytes):
+            r = httpx.post(url + "/v1/completions", content=body, timeout=30)
+        else:
+            r = httpx.post(url + "/v1/completions", json=body if not isinstance(body, dict)
+                           else {"max_tokens": 2, "temperature": 0, **body}, timeout=30)
+        assert 400 <= r.status_code < 500, f"{name}: HTTP {r.status_code} {r.text[:300]}"
+        message = r.json()["error"]["message"]
+        assert needle.lower() in message.lower(), f"{name}: {message!r} does not mention {needle!r}"
+    # The stream that ran meanwhile on the same instances is unaffected, and the held
+    # request survived every refusal that named it.
+    assert stream.result() == want
+    assert cluster.state("prefill")["engine"]["connector"]["leases"] >= 1
+    r = _complete(d_url, {"prompt": HELD_PROMPT, "max_tokens": 8, "temperature": 0,
+                          "kv_transfer_params": good})
+    plain = _complete(proxy, {"prompt": HELD_PROMPT, "max_tokens": 8, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.dictionaries(
+    st.sampled_from(["prompt", "max_tokens", "temperature", "top_p", "stream", "stop", "seed", "n",
+                     "kv_transfer_params", "logprobs"]),
+    st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=False)
+    | st.text(max_size=20) | st.lists(st.integers(-5, 10**6), max_size=5)
+    | st.dictionaries(st.text(max_size=10), st.integers() | st.text(max_size=5), max_size=4),
+    max_size=6))
+def test_random_bodies_never_5xx(cluster: Cluster, body: dict[str, Any]) -> None:
+    _, _, d_url = _urls(cluster)
+    r = httpx.post(d_url + "/v1/completions", json={"max_tokens": 2, **body}, timeout=30)
+    assert r.status_code < 500, f"{body}: HTTP {r.status_code} {r.text[:300]}"
+    if r.status_code >= 400:
+        assert r.json()["error"]["message"]
+
+
+def test_d_clean_after_bad_input(cluster: Cluster) -> None:
+    proxy, _, d_url = _urls(cluster)
+    wait_clean([d_url], NUM_BLOCKS, 10)
+    assert _complete(proxy, {"prompt": "still fine?", "max_tokens": 4}).status_code == 200
+
+
+# ---- P's side channel ---------------------------------------------------------------------
+def _send_raw(port: int, data: bytes, read: bool = True) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(data)
+        if not read:
+            return b""
+        sock.shutdown(socket.SHUT_WR)
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+def _frame(body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + body
+
+
+def test_side_channel_refuses_and_counts_garbage_and_keeps_serving(cluster: Cluster) -> None:
+    proxy, p_url, _ = _urls(cluster)
+    port = cluster.kv_port
+    before = metric(p_url, "rejected_handshakes_total")
+    enc = msgspec.msgpack.encode
+    garbage = [
+        struct.pack(">I", 100) + b"short",  # truncated
+        struct.pack(">I", 2**31),  # oversized length
+        _frame(enc({"type": "request", "version": 99, "engine_id": cluster.engine_id, "tp_rank": 0})),
+        _frame(enc({"type": "request", "version": PROTOCOL_VERSION, "engine_id": 5, "tp_rank": "0"})),
+        _frame(enc({"type": "request", "version": PROTOCOL_VERSION})),  # missing fields
+        _frame(os.urandom(64)),
+        os.urandom(3),
+        _frame(enc({"type": "request", "version": PROTOCOL_VERSION, "engine_id": "other", "tp_rank": 0})),
+        _frame(enc({"type": "request", "version": PROTOCOL_VERSION, "engine_id": cluster.engine_id,
+                    "tp_rank": 7})),
+    ]
+    for data in garbage:
+        reply = _send_raw(port, data)
+        assert b"agent_metadata" not in reply  # never a payload for a bad request
+    # Still serving: a proper handshake and a request through the proxy.
+    payload = fetch_payload("127.0.0.1", port, cluster.engine_id, 0, 5.0)
+    assert payload.engine_id == cluster.engine_id
+    assert _complete(proxy, {"prompt": "after garbage", "max_tokens": 4}).status_code == 200
+    deadline = time.monotonic() + 10
+    while metric(p_url, "rejected_handshakes_total") < before + len(garbage):
+        assert time.monotonic() < deadline, metric(p_url, "rejected_handshakes_total")
+        _complete(proxy, {"prompt": "tick", "max_tokens": 1})  # the counters refresh on steps
+        time.sleep(0.5)
+
+
+# ---- NIXL notifications from a raw agent ----------------------------------------------------
+def test_raw_agent_notifications_are_dropped_without_touching_leases(cluster: Cluster) -> None:
+    proxy, p_url, d_url = _urls(cluster)
+    held = _held_params(p_url)
+    leases_before = cluster.state("prefill")["engine"]["connector"]["leases"]
+    payload = fetch_payload("127.0.0.1", cluster.kv_port, cluster.engine_id, 0, 5.0)
+    agent = NixlAgent(f"intruder-{os.getpid()}")
+    try:
+        name = agent.add_remote(payload.agent_metadata)
+        bad_before = metric(p_url, "bad_notifications_total")
+        garbage = [b"", os.urandom(40), b"kvlink1:done:0:x", b"kvlink1:hb:1:{", b"kvlink9:done:1:x"]
+        for raw in garbage:
+            agent.send_notif(name, raw)
+        for raw in (encode(Done("no-such-request", 1)), encode(Heartbeat(("no-such-request",)))):
+            agent.send_notif(name, raw)
+        deadline = time.monotonic() + 10
+        while metric(p_url, "bad_notifications_total") < bad_before + len(garbage):
+            assert time.monotonic() < deadline, "garbage notifications not counted"
+            agent.get_notifs()
+            _complete(proxy, {"prompt": "tick", "max_tokens": 1})
+            time.sleep(0.2)
+        assert cluster.state("prefill")["engine"]["connector"]["leases"] >= leases_before
+        # The held request is intact: D loads it and answers.
+        r = _complete(d_url, {"prompt": HELD_PROMPT, "max_tokens": 3, "temperature": 0,
+                              "kv_transfer_params": held})
+        assert r.status_code == 200, r.text
+    finally:
+        agent.close()
+
+
+def test_everything_listens_on_loopback_by_default(cluster: Cluster) -> None:
+    for svc in (cluster.prefill, cluster.decode, cluster.proxy):
+        assert svc is not None
+        listening = _listening_addresses(svc.proc.pid)
+        assert listening, f"{svc.name}: no listening sockets found"
+        public = [a for a in listening if not a.startswith("127.")]
+        assert not public, f"{svc.name} listens on {public}"
+
+
+def _listening_addresses(pid: int) -> list[str]:
+    """IPv4/IPv6 TCP sockets in LISTEN state owned by `pid`, as 'addr:port'."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table, width in (("tcp", 8), ("tcp6", 32)):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in inodes:
+                continue
+            addr_hex, port_hex = fields[1].split(":")
+            if width == 8:
+                addr = socket.inet_ntop(socket.AF_INET, bytes.fromhex(addr_hex)[::-1])
+            else:
+                raw = bytes.fromhex(addr_hex)
+                addr = socket.inet_ntop(socket.AF_INET6, b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4)))
+            found.append(f"{addr}:{int(port_hex, 16)}")
+    return found
