@@ -25,6 +25,11 @@ class ConnectorConfig:
     load_failure_policy: LoadFailurePolicy = "fail"
     transfer_mode: TransferMode = "pull"
     secret: bytes | None = None
+    # One start of this engine, shared by its scheduler side and every worker rank (set it
+    # once per process start, e.g. a random token). P's params and agent names carry it, so
+    # D can tell a restarted P (same engine id and port, fresh memory) from the one that
+    # prefilled a request. None: no such check.
+    incarnation: str | None = None
 
     def __post_init__(self) -> None:
         if not self.engine_id:

@@ -39,6 +39,7 @@ class RemotePrefillParams(msgspec.Struct, forbid_unknown_fields=False):
     do_remote_decode: bool = False
     prompt_hash: str | None = None
     kv_signature: str | None = None
+    remote_incarnation: str | None = None
 
 
 def _normalize_block_ids(raw: Any) -> Any:
@@ -87,7 +88,7 @@ def prompt_hash(prompt_token_ids: Sequence[int]) -> str:
 
 
 _SIGNED_FIELDS = ("remote_engine_id", "remote_request_id", "remote_block_ids", "remote_host",
-                  "remote_port", "tp_size", "transfer_mode", "prompt_hash")
+                  "remote_port", "tp_size", "transfer_mode", "prompt_hash", "remote_incarnation")
 
 
 def sign(params: dict[str, Any], secret: bytes) -> str:

@@ -99,6 +99,7 @@ class NixlScheduler(ConnectorScheduler):
             "remote_tp_size": p.tp_size,
             "remote_block_ids": [list(ids) for ids in p.remote_block_ids],
             "transfer_mode": p.transfer_mode,
+            "remote_incarnation": p.remote_incarnation,
         }
 
     # ---- both sides ---------------------------------------------------------------------
@@ -155,6 +156,8 @@ class NixlScheduler(ConnectorScheduler):
             "transfer_mode": self.config.transfer_mode,
             "prompt_hash": prompt_hash(request.prompt_token_ids),
         }
+        if self.config.incarnation:
+            params["remote_incarnation"] = self.config.incarnation
         if self._secret is not None:
             params["kv_signature"] = sign(params, self._secret)
         return True, params

@@ -81,7 +81,7 @@ class NixlWorker(ConnectorWorker):
             if region.page_stride * region.num_pages != n:
                 raise ValueError(f"layer {region.layer}: tensor has {n} bytes, layout expects "
                                  f"{region.page_stride * region.num_pages}; allocate with kv_tensor_specs")
-        name = f"{self.config.engine_id}-r{self.tp_rank}-{uuid.uuid4().hex[:8]}"
+        name = f"{self.config.engine_id}-r{self.tp_rank}-{self.config.incarnation or uuid.uuid4().hex[:8]}"
         agent = NixlAgent(name, self._agent_config)
         agent.register_regions([(r.base, r.page_stride * r.num_pages) for r in geometry.regions])
         port = self.config.side_channel_port + self.tp_rank if self.config.side_channel_port else 0
@@ -199,6 +199,18 @@ class NixlWorker(ConnectorWorker):
             self.push.request_push(engine, entry)
             return
         assert engine.plan is not None and self.agent is not None and self.inflight is not None
+        wanted, serving = entry.get("remote_incarnation"), _incarnation(engine)
+        if wanted and serving and wanted != serving:
+            if not entry.get("_retried"):  # our view of P may be the stale one: look again
+                self._drop_engine(engine.engine_id)
+                self._waiting.append(("load", {**entry, "_retried": True}))
+                return
+            # P restarted after it prefilled this request: the blocks it named hold nothing.
+            self.stats.count("restarted_peer_loads_total")
+            self._fail_request(rid, _all_blocks(entry), (
+                f"prefill engine {engine.engine_id} restarted after prefilling this request "
+                f"(incarnation {wanted}, now {serving}); its KV is gone"))
+            return
         try:
             specs = engine.plan.request_ids(entry["local_block_ids"], entry["remote_block_ids"],
                                             entry["num_tokens"], entry["local_computed_tokens"])
@@ -394,6 +406,12 @@ class NixlWorker(ConnectorWorker):
                 self.push.shutdown()
             self.agent.close()
             self.agent = None
+
+
+def _incarnation(engine: RemoteEngine) -> str | None:
+    """The start of the remote engine we handshaked with (agent names end with it)."""
+    names = set(engine.agents.values())
+    return names.pop().rsplit("-", 1)[-1] if names else None
 
 
 def _key(entry: dict[str, Any]) -> tuple[str, str, int]:
