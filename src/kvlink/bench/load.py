@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import statistics
 import time
@@ -127,8 +128,8 @@ class RunResult:
 def percentile(sorted_values: list[float], q: float) -> float:
     if not sorted_values:
         return float("nan")
-    rank = min(len(sorted_values) - 1, max(0, round(q / 100 * len(sorted_values) + 0.5) - 1))
-    return sorted_values[rank]
+    rank = math.ceil(q / 100 * len(sorted_values))  # nearest rank, 1-based
+    return sorted_values[min(len(sorted_values), max(1, rank)) - 1]
 
 
 async def run_load(url: str, planned: list[Planned], concurrency: int, time_limit_s: float,
