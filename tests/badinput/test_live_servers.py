@@ -161,7 +161,7 @@ def test_bad_http_bodies_and_params_get_4xx_while_a_stream_runs(cluster: Cluster
 @given(st.dictionaries(
     st.sampled_from(["prompt", "max_tokens", "temperature", "top_p", "stream", "stop", "seed", "n",
                      "kv_transfer_params", "logprobs"]),
-    st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=False)
+    st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(max_size=20) | st.lists(st.integers(-5, 10**6), max_size=5)
     | st.dictionaries(st.text(max_size=10), st.integers() | st.text(max_size=5), max_size=4),
     max_size=6))
