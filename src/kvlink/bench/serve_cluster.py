@@ -66,7 +66,7 @@ class ClusterSpec:
     lease_s: float = 30.0
     request_timeout_s: float = 120.0
     max_model_len: int | None = None
-    progress_thread: bool = False  # NIXL progress thread on P and D
+    progress_thread: bool = True  # NIXL progress thread on P and D (the serve default)
 
 
 @dataclass
@@ -97,9 +97,8 @@ def _serve_args(spec: ClusterSpec, role: str, port: int, tp: int, threads: int,
             "--request-timeout-s", str(spec.request_timeout_s)]
     if spec.max_model_len:
         args += ["--max-model-len", str(spec.max_model_len)]
-    if role != "both" and spec.progress_thread:
-        args.append("--progress-thread")
     if role != "both":
+        args.append("--progress-thread" if spec.progress_thread else "--no-progress-thread")
         # With TP, rank r listens on kv_port + r; a free port and its next ones are very likely free.
         engine_id, kv_port = f"{role}-{port}", free_port()
         connectors[role] = (engine_id, kv_port)

@@ -33,9 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-timeout-s", type=float, default=120.0,
                         help="abort a request that produces nothing for this long")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--progress-thread", action="store_true",
-                        help="run NIXL's progress thread (polls every 1 ms), so a peer's READs "
-                             "of this instance's KV progress while a forward pass runs")
+    parser.add_argument("--progress-thread", action=argparse.BooleanOptionalAction, default=True,
+                        help="run NIXL's progress thread (sleeps up to 1 ms between polls), so a "
+                             "peer's READs of this instance's KV progress while a forward pass "
+                             "runs (default: on; without it KV moves wait for the engine loop)")
     parser.add_argument("--log-level", default="info")
 
 
