@@ -6,6 +6,7 @@ The fake worker "loads" by copying a colocated P engine's blocks (placed per
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -80,6 +81,7 @@ class CopyingWorker(ConnectorWorker):
     def __init__(self, source: LLMEngine | None = None) -> None:
         self.source, self.local = source, list[torch.Tensor]()
         self.fail, self.hold, self.pending = set[str](), set[str](), WorkerOutput()
+        self.quarantine: dict[str, float] = {}  # failed ids reported as stalled: keep blocks this long
         self.registered: tuple[list[int], list[int]] | None = None
 
     def register_kv_caches(self, base_addrs: Sequence[int], nbytes: Sequence[int]) -> None:
@@ -99,8 +101,10 @@ class CopyingWorker(ConnectorWorker):
     def get_finished(self) -> WorkerOutput:
         done, held = self.pending, self.hold
         self.pending = WorkerOutput(set(), done.finished_recving & held, done.failed_recving & held)
-        return WorkerOutput(done.finished_sending, done.finished_recving - held,
-                            done.failed_recving - held, done.invalid_block_ids)
+        failed = done.failed_recving - held
+        return WorkerOutput(done.finished_sending, done.finished_recving - held, failed,
+                            done.invalid_block_ids,
+                            quarantine_s={r: s for r, s in self.quarantine.items() if r in failed})
 
     def shutdown(self) -> None: ...
 
@@ -199,6 +203,32 @@ def test_failed_load_follows_the_policy(model: TinyHybridModel, colocated: list[
     else:
         assert [(o.finished, o.finish_reason) for o in out] == [(True, "error")]
         assert "load_failure_policy" in (out[0].error or "") and "'x'" in (out[0].error or "")
+    p_worker.pending.finished_sending.add("x")
+    drain(p)
+    assert_all_free(p, d)
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_stalled_load_quarantines_its_blocks(model: TinyHybridModel, colocated: list[int],
+                                             policy: LoadFailurePolicy) -> None:
+    p, p_worker, params = prefill_on_p(model)
+    worker = CopyingWorker(source=p)
+    worker.fail.add("x")
+    worker.quarantine["x"] = 0.5
+    d = engine(model, FakeConnector(policy), worker)
+    free_before = [pool.num_free_blocks for pool in d.pools]
+    d.add_request("x", PROMPT, PARAMS, params)
+    out = drain(d, max_steps=20)["x"]
+    if policy == "recompute":  # prefilled locally in fresh blocks, same tokens as colocated
+        assert tokens(out) == colocated
+    else:
+        assert out[-1].finish_reason == "error"
+    stats = d.stats()
+    assert sum(stats["quarantined_blocks"]) > 0, "a late transfer could still write these blocks"
+    assert sum(b for b in (pool.num_free_blocks for pool in d.pools)) < sum(free_before)
+    d.check_integrity()
+    time.sleep(0.6)
+    drain(d)
     p_worker.pending.finished_sending.add("x")
     drain(p)
     assert_all_free(p, d)

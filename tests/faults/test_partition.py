@@ -92,7 +92,7 @@ def topology() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def cluster(topology: None) -> Iterator[Cluster]:
     config = ClusterConfig(num_blocks=NUM_BLOCKS, lease_s=LEASE_S, stall_timeout_s=STALL_S,
-                           load_failure_policy="recompute", reference=True,
+                           quarantine_s=1.0, load_failure_policy="recompute", reference=True,
                            prefill_host=P_KV_ADDR, decode_host=D_HTTP_ADDR,
                            prefill_netns=NS_P, decode_netns=NS_D, env={"UCX_TLS": "tcp"},
                            # Each side's UCX uses only its end of the P-D link.

@@ -43,6 +43,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 NUM_BLOCKS = 64
 LEASE_S = 3.0
 STALL_S = 2.0
+# How long D keeps a stalled load's blocks out of use (a late transfer may still write them).
+QUARANTINE_S = 3.0
 MAX_TOKENS = 8
 # What a client may wait, per case: the fault's own deadline plus slack for a busy 2-core box.
 SLACK_S = 4.0
@@ -51,7 +53,7 @@ SLACK_S = 4.0
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
     config = ClusterConfig(num_blocks=NUM_BLOCKS, lease_s=LEASE_S, stall_timeout_s=STALL_S,
-                           load_failure_policy="recompute", reference=True,
+                           quarantine_s=QUARANTINE_S, load_failure_policy="recompute", reference=True,
                            env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"})
     # Logs outside pytest's rotating basetemp, so they survive for a post-mortem.
     c = Cluster(config, Path(tempfile.gettempdir()) / f"kvlink-faults-{os.getpid()}")
@@ -104,6 +106,7 @@ def test_p_frozen_mid_transfer_stall_deadline_then_resume(cluster: Cluster, expe
         assert STALL_S <= result.elapsed_s < STALL_S + SLACK_S, result.elapsed_s
         print(f"[stall/recompute] answered correctly after {result.elapsed_s:.2f}s (stall {STALL_S}s)")
         wait_for(lambda: metric(d_url, "stalled_transfers_total") > stalls, 5, "stall counted")
+        assert sum(_quarantined(d_url)) > 0, "a stalled load's blocks must not be reused at once"
         _assert_clean_decode(cluster)
     finally:
         cluster.signal("prefill", signal.SIGCONT)
@@ -114,8 +117,13 @@ def test_p_frozen_mid_transfer_stall_deadline_then_resume(cluster: Cluster, expe
     _assert_clean(cluster, 5)
 
 
+def _quarantined(url: str) -> list[int]:
+    state = httpx.get(url + "/debug/state", timeout=5).json()
+    return list(state["engine"].get("quarantined_blocks", []))
+
+
 def _assert_clean_decode(cluster: Cluster) -> None:
-    wait_clean([_url(cluster, "decode")], NUM_BLOCKS, 5)
+    wait_clean([_url(cluster, "decode")], NUM_BLOCKS, QUARANTINE_S + 5)
 
 
 def test_p_killed_mid_transfer(cluster: Cluster, expected: Expected) -> None:
@@ -231,6 +239,7 @@ def test_p_frozen_mid_transfer_policy_fail(cluster: Cluster, expected: Expected)
         assert result.status == 502 and result.error and "load_failure_policy" in result.error, result
         assert "stalled" in result.error
         assert result.elapsed_s < STALL_S + SLACK_S
+        assert sum(_quarantined(_url(cluster, "decode"))) > 0
         print(f"[stall/fail] 502 after {result.elapsed_s:.2f}s")
         _assert_clean_decode(cluster)
     finally:

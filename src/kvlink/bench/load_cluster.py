@@ -30,6 +30,7 @@ class ClusterConfig:
     block_size: int = 16
     lease_s: float = 30.0
     stall_timeout_s: float = 10.0
+    quarantine_s: float = 60.0
     load_failure_policy: str = "recompute"
     request_timeout_s: float = 60.0
     proxy_timeout_s: float = 60.0
@@ -94,6 +95,7 @@ class Cluster:
             "serve", "--role", "decode", "--host", c.decode_host, "--port", str(self.d_port),
             "--kv-port", "0", "--engine-id", f"D-{os.getpid()}-{self.d_port}",
             "--stall-timeout-s", str(c.stall_timeout_s), "--lease-s", str(c.lease_s),
+            "--quarantine-s", str(c.quarantine_s),
             "--load-failure-policy", c.load_failure_policy, *self._common()],
             self.d_port, c.decode_host, c.decode_netns, {**c.env, **c.decode_env})
         return self.decode

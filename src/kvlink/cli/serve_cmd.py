@@ -26,6 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transfer-mode", choices=("pull", "push"), default="pull")
     parser.add_argument("--stall-timeout-s", type=float, default=10.0,
                         help="a KV transfer with no progress for this long fails (its blocks are invalid)")
+    parser.add_argument("--quarantine-s", type=float, default=60.0,
+                        help="after a stalled (not dead) peer, keep the load's blocks out of use this "
+                             "long, since a late transfer may still write them")
     parser.add_argument("--lease-s", type=float, default=30.0,
                         help="how long P keeps a finished request's blocks for D")
     parser.add_argument("--max-model-len", type=int, default=None,

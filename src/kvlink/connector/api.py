@@ -71,6 +71,9 @@ class WorkerOutput:
     transfer_figures: dict[str, dict[str, float]] = field(default_factory=dict)
     # Per request in `failed_recving`, when the worker knows why (for the client's error).
     load_failures: dict[str, LoadFailure] = field(default_factory=dict)
+    # Failed loads whose blocks may still be written by a late transfer (a stalled, not dead,
+    # peer): the engine keeps those blocks out of use for this many seconds.
+    quarantine_s: dict[str, float] = field(default_factory=dict)
 
 
 class ConnectorScheduler(abc.ABC):

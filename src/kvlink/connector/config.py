@@ -20,6 +20,7 @@ class ConnectorConfig:
     side_channel_port: int = 5600
     lease_s: float = 30.0
     stall_timeout_s: float = 10.0
+    quarantine_s: float = 60.0
     handshake_timeout_s: float = 5.0
     engine_ttl_s: float = 600.0
     load_failure_policy: LoadFailurePolicy = "fail"

@@ -49,7 +49,7 @@ class PushWriter:
     def request_push(self, engine: RemoteEngine, entry: dict[str, Any]) -> None:
         w = self.worker
         assert w.server is not None
-        now = w._clock()
+        now = w.clock()
         sources = compute_tp_mapping(w.model, w.tp_size, w.tp_rank, engine.tp_size).source_ranks
         load = w.book.start(entry["request_id"], entry, _blocks(entry), now)
         load.pushes_expected = len(sources)
@@ -62,8 +62,8 @@ class PushWriter:
                 "local_computed_tokens": entry["local_computed_tokens"],
                 "num_tokens": entry["num_tokens"], "expected": engine.expected[rank],
             }
-            w._send(name, encode(PushRequest(entry["remote_request_id"], info), w.secret))
-        w._notify(engine, entry, "notify", only_extra=True)
+            w.send(name, encode(PushRequest(entry["remote_request_id"], info), w.secret))
+        w.notify(engine, entry, "notify", only_extra=True)
 
     def on_pushed(self, d_request_id: str, sender: str) -> None:
         w = self.worker
@@ -74,7 +74,7 @@ class PushWriter:
         load.pushes_seen.add(sender)
         if len(load.pushes_seen) >= load.pushes_expected:
             w.book.finish(d_request_id)
-            w._out.finished_recving.add(d_request_id)
+            w.out.finished_recving.add(d_request_id)
 
     # ---- P side -------------------------------------------------------------------------
     def remember_blocks(self, request_id: str, block_ids: list[list[int]]) -> None:
@@ -91,7 +91,7 @@ class PushWriter:
         for rid, load in list(w.book.loads.items()):
             if load.pushes_expected and not load.failed and now > load.deadline:
                 w.stats.count("stalled_transfers_total")
-                w._fail_request(rid, load.blocks, "stalled: no push completion before the deadline")
+                w.fail_request(rid, load.blocks, "stalled: no push completion before the deadline")
         for key, result in self.handshakes.take_done():
             assert isinstance(key, tuple)
             if isinstance(result, BaseException):
@@ -137,7 +137,7 @@ class PushWriter:
             return True
         h = reader.handles[d_rank]
         if not len(spec.local_idx):
-            self.worker._send(h.agent_name, done)
+            self.worker.send(h.agent_name, done)
             self.worker.leases.notify(rid, expected, job.received)
             return True
         try:

@@ -18,7 +18,7 @@ from kvlink.connector.api import ConnectorWorker, LoadFailure, StepMetadata, Wor
 from kvlink.connector.config import ConnectorConfig
 from kvlink.connector.handshakes import HandshakeRunner, Payloads
 from kvlink.connector.lease import LeaseTable
-from kvlink.connector.loads import Load, LoadBook
+from kvlink.connector.loads import LoadBook
 from kvlink.connector.notifs import (
     BadNotification,
     Done,
@@ -29,6 +29,7 @@ from kvlink.connector.notifs import (
     decode,
     encode,
 )
+from kvlink.connector.pull import PullReader, all_blocks
 from kvlink.connector.push import PushWriter
 from kvlink.connector.remote import RemoteEngine, connect_reader, encode_geometry, release_engine
 from kvlink.connector.stats import ConnectorStats
@@ -57,7 +58,7 @@ class NixlWorker(ConnectorWorker):
         self.tp_size, self.tp_rank = tp_size, tp_rank
         self.block_size, self.kernel_block_size, self.num_blocks = block_size, kernel_block_size, num_blocks
         self._agent_config = agent_config
-        self._clock = clock
+        self.clock = clock
         self.secret = resolve_secret(config.secret)  # same secret as the side channel: authenticates notifications
         self.stats = ConnectorStats()
         self.leases = LeaseTable(config.lease_s, config.lease_extension_s)
@@ -65,7 +66,8 @@ class NixlWorker(ConnectorWorker):
         self.engines: dict[str, RemoteEngine] = {}
         self.book = LoadBook()
         self._waiting: list[tuple[str, dict[str, Any]]] = []
-        self._out = WorkerOutput()
+        self.out = WorkerOutput()
+        self.pull = PullReader(self)
         self.geometry: WorkerGeometry | None = None
         self.agent: NixlAgent | None = None
         self.server: HandshakeServer | None = None
@@ -105,7 +107,7 @@ class NixlWorker(ConnectorWorker):
 
     # ---- per step -----------------------------------------------------------------------
     def start_load_kv(self, metadata: StepMetadata) -> None:
-        now = self._clock()
+        now = self.clock()
         for save in metadata.saves:
             self.leases.hold(save["request_id"], now)
             assert self.push is not None
@@ -141,11 +143,14 @@ class NixlWorker(ConnectorWorker):
             if engine is None:
                 still.append((kind, entry))
                 continue
-            engine.last_used = self._clock()
-            if kind == "load":
-                self._start_load(engine, entry)
+            engine.last_used = self.clock()
+            if kind == "load" and entry.get("transfer_mode") == "push":
+                assert self.push is not None
+                self.push.request_push(engine, entry)
+            elif kind == "load":
+                self.pull.start(engine, entry)
             else:
-                self._notify(engine, entry, kind)
+                self.notify(engine, entry, kind)
         self._waiting = still
 
     def _engine_for(self, entry: dict[str, Any]) -> RemoteEngine | None:
@@ -187,108 +192,33 @@ class NixlWorker(ConnectorWorker):
 
     def _give_up(self, kind: str, entry: dict[str, Any], reason: str) -> None:
         if kind == "load":
-            self._fail_request(entry["request_id"], _all_blocks(entry), reason, bad_params=True)
+            self.fail_request(entry["request_id"], all_blocks(entry), reason, bad_params=True)
         else:
             self.stats.count("failed_notifications_total")
 
-    # ---- D side: loads ------------------------------------------------------------------
-    def _start_load(self, engine: RemoteEngine, entry: dict[str, Any]) -> None:
-        rid = entry["request_id"]
-        if entry.get("transfer_mode") == "push":
-            assert self.push is not None
-            self.push.request_push(engine, entry)
-            return
-        assert engine.plan is not None and self.agent is not None and self.inflight is not None
-        wanted, serving = entry.get("remote_incarnation"), _incarnation(engine)
-        if wanted and serving and wanted != serving:
-            if not entry.get("_retried"):  # our view of P may be the stale one: look again
-                self._drop_engine(engine.engine_id)
-                self._waiting.append(("load", {**entry, "_retried": True}))
-                return
-            # P restarted after it prefilled this request: the blocks it named hold nothing.
-            self.stats.count("restarted_peer_loads_total")
-            self._fail_request(rid, _all_blocks(entry), (
-                f"prefill engine {engine.engine_id} restarted after prefilling this request "
-                f"(incarnation {wanted}, now {serving}); its KV is gone"))
-            return
-        try:
-            specs = engine.plan.request_ids(entry["local_block_ids"], entry["remote_block_ids"],
-                                            entry["num_tokens"], entry["local_computed_tokens"])
-        except (ValueError, KeyError) as exc:
-            self._fail_request(rid, _all_blocks(entry), f"cannot plan request: {exc}",
-                               bad_params=True)
-            return
-        load = self.book.start(rid, entry, _all_blocks(entry), self._clock())
-        for spec in specs:
-            done = encode(Done(entry["remote_request_id"], engine.expected[spec.src_rank]), self.secret)
-            handles = engine.handles[spec.src_rank]
-            if not len(spec.local_idx):
-                self._send(handles.agent_name, done)
-                continue
-            try:
-                t = self.agent.post("READ", handles.local_handle, spec.local_idx,
-                                    handles.remote_handle, spec.remote_idx, done, tag=rid)
-            except TransferFailed as exc:
-                if not load.transfers and not entry.get("_retried"):
-                    # Likely a restarted peer behind stale metadata: forget it and handshake again.
-                    log.warning("READ for %s refused (%s); re-handshaking with %s once",
-                                rid, exc.reason, engine.engine_id)
-                    self.book.finish(rid)
-                    self._drop_engine(engine.engine_id)
-                    self._waiting.append(("load", {**entry, "_retried": True}))
-                    return
-                self._transfer_failed(load, engine, exc.reason)
-                return
-            load.transfers.append(t)
-            self.inflight.add(t)
-        self._notify(engine, entry, "notify", only_extra=True)
-        self._maybe_complete(load)
-
-    def _maybe_complete(self, load: Load) -> None:
-        if load.failed or any(not t.finished for t in load.transfers):
-            return
-        self.book.finish(load.request_id)
-        records = [load.record(t) for t in load.transfers]
-        for rec in records:
-            self.stats.record(rec)
-        self._out.finished_recving.add(load.request_id)
-        self._out.transfer_figures[load.request_id] = {
-            "kv_bytes": float(sum(r.nbytes for r in records)),
-            "kv_transfer_s": self._clock() - load.started,
-            "kv_descriptors": float(sum(r.descriptors for r in records)),
-        }
-
-    def _transfer_failed(self, load: Load, engine: RemoteEngine | None, reason: str) -> None:
-        if load.failed:
-            return
-        assert self.inflight is not None and self.agent is not None
-        # The tracker's reason reaches us wrapped by NixlAgent.abort ("READ with X failed: stalled: ...").
-        stalled = reason.startswith("stalled") or " failed: stalled: " in reason
-        self.stats.count("stalled_transfers_total" if stalled else "failed_transfers_total")
-        for t in load.transfers:
-            if not t.finished:
-                self.agent.abort(t, reason)
-        if engine is not None and not stalled:
-            self._drop_engine(engine.engine_id)
-        self._fail_request(load.request_id, load.blocks, reason)
-
-    def _fail_request(self, rid: str, blocks: set[int], reason: str, bad_params: bool = False) -> None:
+    def fail_request(self, rid: str, blocks: set[int], reason: str, bad_params: bool = False) -> None:
+        """Report a load as failed with exactly `blocks` invalid (never silently dropped)."""
         load = self.book.get(rid)
         if load is not None:
             load.failed = True
             self.book.finish(rid)
         log.warning("request %s failed to load (%d blocks invalid): %s", rid, len(blocks), reason)
-        self._out.failed_recving.add(rid)
-        self._out.load_failures.setdefault(rid, LoadFailure(reason, bad_params))
-        self._out.invalid_block_ids |= blocks
+        self.out.failed_recving.add(rid)
+        self.out.load_failures.setdefault(rid, LoadFailure(reason, bad_params))
+        self.out.invalid_block_ids |= blocks
 
-    def _drop_engine(self, engine_id: str) -> None:
+    def retry_after_handshake(self, engine_id: str, entry: dict[str, Any]) -> None:
+        """Forget what we know of a remote engine and run this load again after a new handshake."""
+        self.drop_engine(engine_id)
+        self._waiting.append(("load", {**entry, "_retried": True}))
+
+    def drop_engine(self, engine_id: str) -> None:
         engine = self.engines.pop(engine_id, None)
         if engine is not None and self.agent is not None:
             release_engine(self.agent, engine)
 
     # ---- notifications ------------------------------------------------------------------
-    def _notify(self, engine: RemoteEngine, entry: dict[str, Any], kind: str, only_extra: bool = False) -> None:
+    def notify(self, engine: RemoteEngine, entry: dict[str, Any], kind: str, only_extra: bool = False) -> None:
         mapping = compute_tp_mapping(self.model, self.tp_size, self.tp_rank, engine.tp_size)
         if kind == "heartbeat":
             msg = encode(Heartbeat(tuple(entry["remote_request_ids"])), self.secret)
@@ -300,9 +230,9 @@ class NixlWorker(ConnectorWorker):
         for rank, name in engine.notify_agents(targets):
             if kind != "heartbeat":
                 msg = encode(Done(entry["remote_request_id"], engine.expected[rank]), self.secret)
-            self._send(name, msg)
+            self.send(name, msg)
 
-    def _send(self, agent_name: str, msg: bytes) -> None:
+    def send(self, agent_name: str, msg: bytes) -> None:
         assert self.agent is not None
         try:
             self.agent.send_notif(agent_name, msg)
@@ -337,22 +267,15 @@ class NixlWorker(ConnectorWorker):
     def get_finished(self) -> WorkerOutput:
         if self.agent is None or self.inflight is None or self.push is None:
             return WorkerOutput()
-        now = self._clock()
+        now = self.clock()
         self._drain_notifs(now)
         self._advance()
         result = self.inflight.poll_all(now)
         for t in result.failed:
-            load = self.book.get(str(t.tag))
-            if load is not None:
-                self._transfer_failed(load, self.engines.get(load.entry["remote_engine_id"]),
-                                      t.failure or "transfer failed")
-            else:
+            if not self.pull.on_polled(t, failed=True):
                 self.push.on_transfer_failed(t)
         for t in result.done:
-            load = self.book.get(str(t.tag))
-            if load is not None:
-                self._maybe_complete(load)
-            else:
+            if not self.pull.on_polled(t, failed=False):
                 self.push.on_transfer_done(t, now)
         self.push.poll(now)
         done, expired = self.leases.collect(now)
@@ -361,9 +284,9 @@ class NixlWorker(ConnectorWorker):
             log.warning("lease of request %s expired before every consumer read it; freeing", rid)
         for rid in done | expired:
             self.push.forget_blocks(rid)
-        self._out.finished_sending |= done | expired
+        self.out.finished_sending |= done | expired
         self._evict_idle(now)
-        out, self._out = self._out, WorkerOutput()
+        out, self.out = self.out, WorkerOutput()
         return out
 
     def _evict_idle(self, now: float) -> None:
@@ -372,7 +295,7 @@ class NixlWorker(ConnectorWorker):
         for engine_id, engine in list(self.engines.items()):
             if engine_id not in busy and now - engine.last_used > self.config.engine_ttl_s:
                 log.info("evicting idle remote engine %s", engine_id)
-                self._drop_engine(engine_id)
+                self.drop_engine(engine_id)
 
     def has_inflight(self) -> bool:
         return bool(self.book.loads or self._waiting or self.leases.leases)
@@ -401,22 +324,12 @@ class NixlWorker(ConnectorWorker):
             if self.inflight is not None:
                 self.inflight.abort_all("shutdown")
             for engine_id in list(self.engines):
-                self._drop_engine(engine_id)
+                self.drop_engine(engine_id)
             if self.push is not None:
                 self.push.shutdown()
             self.agent.close()
             self.agent = None
 
 
-def _incarnation(engine: RemoteEngine) -> str | None:
-    """The start of the remote engine we handshaked with (agent names end with it)."""
-    names = set(engine.agents.values())
-    return names.pop().rsplit("-", 1)[-1] if names else None
-
-
 def _key(entry: dict[str, Any]) -> tuple[str, str, int]:
     return (entry["remote_engine_id"], entry["remote_host"], int(entry["remote_port"]))
-
-
-def _all_blocks(entry: dict[str, Any]) -> set[int]:
-    return {int(b) for ids in entry.get("local_block_ids", []) for b in ids}

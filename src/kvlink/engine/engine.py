@@ -6,6 +6,7 @@ without one it is a plain colocated engine.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from kvlink.connector.api import (
@@ -62,6 +63,8 @@ class LLMEngine:
         self.held: dict[str, list[list[int]]] = {}
         # Transfer figures of finished loads, reported with the request's next output.
         self._figures: dict[str, dict[str, float]] = {}
+        # Blocks of stalled loads a late transfer may still write: (release time, tables).
+        self.quarantine: list[tuple[float, list[list[int]]]] = []
         self._outputs: list[RequestOutput] = []
 
     def add_request(
@@ -113,7 +116,7 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         pending = self.connector is not None and self.connector.has_pending_work()
-        return bool(self.requests or self.held or self._outputs) or pending
+        return bool(self.requests or self.held or self._outputs or self.quarantine) or pending
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -125,6 +128,7 @@ class LLMEngine:
             "waiting_for_remote_kv": len(self.scheduler.parked),
             "held_requests": len(self.held),
             "held_blocks": [sum(len(t[g]) for t in self.held.values()) for g in range(len(self.pools))],
+            "quarantined_blocks": [sum(len(t[g]) for _, t in self.quarantine) for g in range(len(self.pools))],
             "connector": self.worker.debug_state() if self.worker is not None else {},
         }
 
@@ -132,6 +136,7 @@ class LLMEngine:
         """Pools are consistent and every reference belongs to a live or held request."""
         tables = [r.block_tables for r in self.requests.values() if r.block_tables]
         tables += list(self.held.values())
+        tables += [t for _, t in self.quarantine]
         for group, pool in enumerate(self.pools):
             pool.check_integrity([t[group] for t in tables])
 
@@ -171,15 +176,19 @@ class LLMEngine:
         for request_id, figures in output.transfer_figures.items():
             if request_id in self.requests:
                 self._figures[request_id] = figures
+        self._release_quarantine()
         done = output.finished_sending | output.finished_recving | output.failed_recving
         for request_id in done & self.held.keys():
-            self.scheduler.free_blocks(self.held.pop(request_id))
+            self._free_or_quarantine(self.held.pop(request_id), output.quarantine_s.get(request_id))
         for request_id in output.finished_recving:
             self.scheduler.resume_after_load(request_id, loaded=True)
         for request_id in output.failed_recving:
             request = self.scheduler.parked.get(request_id)
             if request is None:
                 continue
+            if request_id in output.quarantine_s:
+                self._free_or_quarantine(request.block_tables, output.quarantine_s[request_id])
+                request.block_tables = []
             if self.load_failure_policy == "recompute":
                 self.scheduler.resume_after_load(request_id, loaded=False)
             else:
@@ -219,6 +228,22 @@ class LLMEngine:
             request.request_id, new_token_ids or [], True, reason, error, params,
             error_kind=error_kind,
         )))
+
+    def _free_or_quarantine(self, tables: list[list[int]], hold_s: float | None) -> None:
+        if hold_s:
+            self.quarantine.append((time.monotonic() + hold_s, tables))
+        else:
+            self.scheduler.free_blocks(tables)
+
+    def _release_quarantine(self) -> None:
+        now = time.monotonic()
+        keep = []
+        for until, tables in self.quarantine:
+            if until <= now:
+                self.scheduler.free_blocks(tables)
+            else:
+                keep.append((until, tables))
+        self.quarantine = keep
 
     def _with_figures(self, output: RequestOutput) -> RequestOutput:
         figures = self._figures.pop(output.request_id, None)

@@ -74,6 +74,7 @@ class _Merge:
     failed: set[str] = field(default_factory=set)
     invalid: dict[str, set[int]] = field(default_factory=dict)
     figures: dict[str, dict[str, float]] = field(default_factory=dict)
+    quarantine: dict[str, float] = field(default_factory=dict)
     failures: dict[str, LoadFailure] = field(default_factory=dict)
 
     def add(self, rank: int, out: WorkerOutput) -> None:
@@ -86,6 +87,8 @@ class _Merge:
             self.invalid.setdefault(rid, set()).update(out.invalid_block_ids)
         for rid, failure in out.load_failures.items():
             self.failures.setdefault(rid, failure)
+        for rid, hold_s in out.quarantine_s.items():
+            self.quarantine[rid] = max(self.quarantine.get(rid, 0.0), hold_s)
         for rid, fig in out.transfer_figures.items():
             merged = self.figures.setdefault(rid, {})
             for key, value in fig.items():  # bytes add up over ranks; time is the slowest rank
@@ -104,6 +107,8 @@ class _Merge:
                 out.invalid_block_ids |= self.invalid.pop(rid, set())
                 if rid in self.failures:
                     out.load_failures[rid] = self.failures.pop(rid)
+                if rid in self.quarantine:
+                    out.quarantine_s[rid] = self.quarantine.pop(rid)
             else:
                 out.finished_recving.add(rid)
             if rid in self.figures:

@@ -52,6 +52,9 @@ class _Stream:
     outputs: asyncio.Queue[Any]
 
 
+BACKGROUND_POLL_S = 0.001
+
+
 class AsyncEngine:
     """Serves an `EngineLike` to asyncio code. Start with `start()`, stop with `shutdown()`."""
 
@@ -196,8 +199,13 @@ class AsyncEngine:
                 self._run_commands()
                 # has_unfinished() also covers connector work (leases, loads) with no request.
                 if self.engine.has_unfinished():
-                    for output in self.engine.step():
+                    outputs = self.engine.step()
+                    for output in outputs:
                         self._deliver(output.request_id, output, bool(output.finished))
+                    if not outputs:
+                        # Only connector work (leases, loads in flight): poll, don't spin a core.
+                        self._wake.wait(BACKGROUND_POLL_S)
+                        self._wake.clear()
                 else:
                     self._wake.wait(self.idle_wait_s)
                     self._wake.clear()

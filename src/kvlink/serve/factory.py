@@ -43,6 +43,7 @@ def _connector_config(args: argparse.Namespace) -> Any:
         lease_s=args.lease_s, load_failure_policy=args.load_failure_policy,
         transfer_mode=args.transfer_mode, secret=ConnectorConfig.secret_from_env(),
         stall_timeout_s=getattr(args, "stall_timeout_s", 10.0),
+        quarantine_s=getattr(args, "quarantine_s", 60.0),
         incarnation=uuid.uuid4().hex[:8],  # this start of the engine; see ConnectorConfig
     )
 

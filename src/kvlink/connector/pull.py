@@ -1,0 +1,133 @@
+"""Pull mode, D side: READ a request's planned descriptors from each source rank.
+
+Each READ carries a `done` notification for its P rank, so P frees the moment the data
+has left. A load finishes when all its READs are done; the first failure aborts the
+rest and fails the request with exactly its blocks named.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from kvlink.connector.loads import Load
+from kvlink.connector.notifs import Done, encode
+from kvlink.connector.remote import RemoteEngine
+from kvlink.transfer.xfer import Transfer, TransferFailed
+
+if TYPE_CHECKING:
+    from kvlink.connector.worker import NixlWorker
+
+log = logging.getLogger("kvlink.connector.pull")
+
+
+class PullReader:
+    def __init__(self, worker: NixlWorker) -> None:
+        self.worker = worker
+
+    def start(self, engine: RemoteEngine, entry: dict[str, Any]) -> None:
+        w = self.worker
+        rid = entry["request_id"]
+        assert engine.plan is not None and w.agent is not None and w.inflight is not None
+        if not self._same_incarnation(engine, entry):
+            return
+        try:
+            specs = engine.plan.request_ids(entry["local_block_ids"], entry["remote_block_ids"],
+                                            entry["num_tokens"], entry["local_computed_tokens"])
+        except (ValueError, KeyError) as exc:
+            w.fail_request(rid, all_blocks(entry), f"cannot plan request: {exc}", bad_params=True)
+            return
+        load = w.book.start(rid, entry, all_blocks(entry), w.clock())
+        for spec in specs:
+            done = encode(Done(entry["remote_request_id"], engine.expected[spec.src_rank]), w.secret)
+            handles = engine.handles[spec.src_rank]
+            if not len(spec.local_idx):
+                w.send(handles.agent_name, done)
+                continue
+            try:
+                t = w.agent.post("READ", handles.local_handle, spec.local_idx,
+                                 handles.remote_handle, spec.remote_idx, done, tag=rid)
+            except TransferFailed as exc:
+                if not load.transfers and not entry.get("_retried"):
+                    # Likely a restarted peer behind stale metadata: forget it and handshake again.
+                    log.warning("READ for %s refused (%s); re-handshaking with %s once",
+                                rid, exc.reason, engine.engine_id)
+                    w.book.finish(rid)
+                    w.retry_after_handshake(engine.engine_id, entry)
+                    return
+                self.failed(load, engine, exc.reason)
+                return
+            load.transfers.append(t)
+            w.inflight.add(t)
+        w.notify(engine, entry, "notify", only_extra=True)
+        self.maybe_complete(load)
+
+    def _same_incarnation(self, engine: RemoteEngine, entry: dict[str, Any]) -> bool:
+        """P names its start in the params; blocks named by an earlier start hold nothing now."""
+        wanted, serving = entry.get("remote_incarnation"), incarnation(engine)
+        if not wanted or not serving or wanted == serving:
+            return True
+        w = self.worker
+        if not entry.get("_retried"):  # our view of P may be the stale one: look again
+            w.retry_after_handshake(engine.engine_id, entry)
+            return False
+        w.stats.count("restarted_peer_loads_total")
+        w.fail_request(entry["request_id"], all_blocks(entry), (
+            f"prefill engine {engine.engine_id} restarted after prefilling this request "
+            f"(incarnation {wanted}, now {serving}); its KV is gone"))
+        return False
+
+    def maybe_complete(self, load: Load) -> None:
+        w = self.worker
+        if load.failed or any(not t.finished for t in load.transfers):
+            return
+        w.book.finish(load.request_id)
+        records = [load.record(t) for t in load.transfers]
+        for rec in records:
+            w.stats.record(rec)
+        w.out.finished_recving.add(load.request_id)
+        w.out.transfer_figures[load.request_id] = {
+            "kv_bytes": float(sum(r.nbytes for r in records)),
+            "kv_transfer_s": w.clock() - load.started,
+            "kv_descriptors": float(sum(r.descriptors for r in records)),
+        }
+
+    def failed(self, load: Load, engine: RemoteEngine | None, reason: str) -> None:
+        w = self.worker
+        if load.failed:
+            return
+        assert w.agent is not None
+        # The tracker's reason reaches us wrapped by NixlAgent.abort ("READ with X failed: stalled: ...").
+        stalled = reason.startswith("stalled") or " failed: stalled: " in reason
+        w.stats.count("stalled_transfers_total" if stalled else "failed_transfers_total")
+        for t in load.transfers:
+            if not t.finished:
+                w.agent.abort(t, reason)
+        if engine is not None and not stalled:
+            w.drop_engine(engine.engine_id)
+        if stalled:
+            # A frozen peer over TCP may still deliver the READ later: keep the blocks out of use.
+            w.out.quarantine_s[load.request_id] = w.config.quarantine_s
+        w.fail_request(load.request_id, load.blocks, reason)
+
+    def on_polled(self, t: Transfer, failed: bool) -> bool:
+        """Handle one finished READ of ours; False if it is not a pull transfer."""
+        w = self.worker
+        load = w.book.get(str(t.tag))
+        if load is None or load.pushes_expected:
+            return False
+        if failed:
+            self.failed(load, w.engines.get(load.entry["remote_engine_id"]), t.failure or "transfer failed")
+        else:
+            self.maybe_complete(load)
+        return True
+
+
+def incarnation(engine: RemoteEngine) -> str | None:
+    """The start of the remote engine we handshaked with (agent names end with it)."""
+    names = set(engine.agents.values())
+    return names.pop().rsplit("-", 1)[-1] if names else None
+
+
+def all_blocks(entry: dict[str, Any]) -> set[int]:
+    return {int(b) for ids in entry.get("local_block_ids", []) for b in ids}
