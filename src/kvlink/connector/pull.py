@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from kvlink.connector.loads import Load
 from kvlink.connector.notifs import Done, encode
 from kvlink.connector.remote import RemoteEngine
+from kvlink.layout.spec import ModelSpec, is_ssm
 from kvlink.transfer.xfer import Transfer, TransferFailed
 
 if TYPE_CHECKING:
@@ -127,6 +128,18 @@ def incarnation(engine: RemoteEngine) -> str | None:
     """The start of the remote engine we handshaked with (agent names end with it)."""
     names = set(engine.agents.values())
     return names.pop().rsplit("-", 1)[-1] if names else None
+
+
+def local_tail(entry: dict[str, Any], model: ModelSpec, block_size: int) -> dict[str, Any]:
+    """The scheduler side hands over the whole block table (prefix hits first); the planner
+    wants each attention group's blocks from token `local_computed_tokens` on. SSM groups
+    keep their list: the state lives in its last block."""
+    skip = int(entry.get("local_computed_tokens", 0)) // block_size
+    if skip <= 0 or "local_block_ids" not in entry:
+        return entry
+    tail = [list(ids) if is_ssm(group) else list(ids)[skip:]
+            for group, ids in zip(model.groups, entry["local_block_ids"], strict=False)]
+    return {**entry, "local_block_ids": tail}
 
 
 def all_blocks(entry: dict[str, Any]) -> set[int]:

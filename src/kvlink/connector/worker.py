@@ -11,30 +11,26 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvlink.connector.api import ConnectorWorker, LoadFailure, StepMetadata, WorkerOutput
 from kvlink.connector.config import ConnectorConfig
-from kvlink.connector.handshakes import HandshakeRunner, Payloads
+from kvlink.connector.directory import EngineDirectory
+from kvlink.connector.inbox import drain_notifications
 from kvlink.connector.lease import LeaseTable
 from kvlink.connector.loads import LoadBook
 from kvlink.connector.notifs import (
-    BadNotification,
     Done,
     Heartbeat,
-    Pushed,
-    PushRequest,
-    UnauthenticatedNotification,
-    decode,
     encode,
 )
-from kvlink.connector.pull import PullReader, all_blocks
+from kvlink.connector.pull import PullReader, all_blocks, local_tail
 from kvlink.connector.push import PushWriter
-from kvlink.connector.remote import RemoteEngine, connect_reader, encode_geometry, release_engine
+from kvlink.connector.remote import RemoteEngine, encode_geometry
 from kvlink.connector.stats import ConnectorStats
 from kvlink.layout.geometry import WorkerGeometry, build_worker_geometry
-from kvlink.layout.spec import ModelSpec, is_ssm
+from kvlink.layout.spec import ModelSpec
 from kvlink.plan.tp_mapping import compute_tp_mapping
 from kvlink.transfer.agent import NixlAgent
 from kvlink.transfer.agent_config import AgentConfig
@@ -62,8 +58,9 @@ class NixlWorker(ConnectorWorker):
         self.secret = resolve_secret(config.secret)  # same secret as the side channel: authenticates notifications
         self.stats = ConnectorStats()
         self.leases = LeaseTable(config.lease_s, config.lease_extension_s)
-        self.handshakes = HandshakeRunner(config.handshake_timeout_s, config.secret)
-        self.engines: dict[str, RemoteEngine] = {}
+        self.directory = EngineDirectory(config, self.stats)
+        self.handshakes = self.directory.handshakes
+        self.engines = self.directory.engines
         self.book = LoadBook()
         self._waiting: list[tuple[str, dict[str, Any]]] = []
         self.out = WorkerOutput()
@@ -114,32 +111,18 @@ class NixlWorker(ConnectorWorker):
             self.push.remember_blocks(save["request_id"], save["block_ids"])
         for rid in metadata.frees:
             self.leases.release(rid)
-        self._waiting += [("load", self._local_tail(e)) for e in metadata.loads]
+        self._waiting += [("load", local_tail(e, self.model, self.block_size)) for e in metadata.loads]
         self._waiting += [("notify", e) for e in metadata.notify_only]
-        self._waiting += [("heartbeat", e) for e in metadata.heartbeats if self._engine_known(e)]
+        self._waiting += [("heartbeat", e) for e in metadata.heartbeats if self.directory.known(e)]
         self._advance()
-
-    def _local_tail(self, entry: dict[str, Any]) -> dict[str, Any]:
-        """The scheduler side hands over the whole block table (prefix hits first); the planner
-        wants each attention group's blocks from token `local_computed_tokens` on. SSM groups
-        keep their list: the state lives in its last block."""
-        skip = int(entry.get("local_computed_tokens", 0)) // self.block_size
-        if skip <= 0 or "local_block_ids" not in entry:
-            return entry
-        tail = [list(ids) if is_ssm(group) else list(ids)[skip:]
-                for group, ids in zip(self.model.groups, entry["local_block_ids"], strict=False)]
-        return {**entry, "local_block_ids": tail}
-
-    def _engine_known(self, entry: dict[str, Any]) -> bool:
-        return entry["remote_engine_id"] in self.engines or self.handshakes.pending(_key(entry))
 
     def _advance(self) -> None:
         """Finish handshakes, then run every waiting entry whose engine is ready."""
-        for key, result in self.handshakes.take_done():
-            self._handshake_done(key, result)
+        assert self.agent is not None and self.geometry is not None
+        self.directory.collect(self.agent, self.geometry, self._fail_waiting)
         still: list[tuple[str, dict[str, Any]]] = []
         for kind, entry in self._waiting:
-            engine = self._engine_for(entry)
+            engine = self.directory.lookup(entry, self.geometry)
             if engine is None:
                 still.append((kind, entry))
                 continue
@@ -152,34 +135,6 @@ class NixlWorker(ConnectorWorker):
             else:
                 self.notify(engine, entry, kind)
         self._waiting = still
-
-    def _engine_for(self, entry: dict[str, Any]) -> RemoteEngine | None:
-        engine = self.engines.get(entry["remote_engine_id"])
-        if engine is not None:
-            return engine
-        key = _key(entry)
-        if not self.handshakes.pending(key):
-            assert self.geometry is not None
-            ranks = compute_tp_mapping(self.model, self.tp_size, self.tp_rank,
-                                       entry["remote_tp_size"]).notify_ranks
-            self.handshakes.request(key, entry["remote_host"], entry["remote_port"],
-                                    entry["remote_engine_id"], ranks)
-        return None
-
-    def _handshake_done(self, key: Hashable, result: Payloads | BaseException) -> None:
-        engine_id = str(key[0]) if isinstance(key, tuple) else str(key)
-        if isinstance(result, BaseException):
-            self.stats.count("failed_handshakes_total")
-            log.warning("handshake with engine %s failed: %s", engine_id, result)
-            self._fail_waiting(engine_id, f"handshake failed: {result}")
-            return
-        assert self.agent is not None and self.geometry is not None
-        try:
-            self.engines[engine_id] = connect_reader(self.agent, self.geometry, engine_id, result)
-        except Exception as exc:  # incompatible layout, NIXL refusal: fail the requests, keep serving
-            self.stats.count("refused_peers_total")
-            log.error("refusing engine %s: %s", engine_id, exc)
-            self._fail_waiting(engine_id, f"remote engine refused: {exc}")
 
     def _fail_waiting(self, engine_id: str, reason: str) -> None:
         keep = []
@@ -213,9 +168,7 @@ class NixlWorker(ConnectorWorker):
         self._waiting.append(("load", {**entry, "_retried": True}))
 
     def drop_engine(self, engine_id: str) -> None:
-        engine = self.engines.pop(engine_id, None)
-        if engine is not None and self.agent is not None:
-            release_engine(self.agent, engine)
+        self.directory.drop(self.agent, engine_id)
 
     # ---- notifications ------------------------------------------------------------------
     def notify(self, engine: RemoteEngine, entry: dict[str, Any], kind: str, only_extra: bool = False) -> None:
@@ -240,35 +193,12 @@ class NixlWorker(ConnectorWorker):
             self.stats.count("failed_notifications_total")
             log.warning("notification to %s failed: %s", agent_name, exc.reason)
 
-    def _drain_notifs(self, now: float) -> None:
-        assert self.agent is not None and self.push is not None
-        for sender, messages in self.agent.get_notifs().items():
-            for raw in messages:
-                try:
-                    msg = decode(raw, self.secret)
-                except UnauthenticatedNotification as exc:
-                    self.stats.count("unauthenticated_notifications_total")
-                    log.warning("dropping notification from %s: %s", sender, exc)
-                    continue
-                except BadNotification as exc:
-                    self.stats.count("bad_notifications_total")
-                    log.warning("dropping notification from %s: %s", sender, exc)
-                    continue
-                if isinstance(msg, Done):
-                    self.leases.notify(msg.request_id, msg.expected, now)
-                elif isinstance(msg, Heartbeat):
-                    self.leases.heartbeat(list(msg.request_ids), now)
-                elif isinstance(msg, PushRequest):
-                    self.push.on_push_request(msg, now)
-                elif isinstance(msg, Pushed):
-                    self.push.on_pushed(msg.request_id, sender)
-
     # ---- polling ------------------------------------------------------------------------
     def get_finished(self) -> WorkerOutput:
         if self.agent is None or self.inflight is None or self.push is None:
             return WorkerOutput()
         now = self.clock()
-        self._drain_notifs(now)
+        drain_notifications(self, now)
         self._advance()
         result = self.inflight.poll_all(now)
         for t in result.failed:
@@ -285,17 +215,11 @@ class NixlWorker(ConnectorWorker):
         for rid in done | expired:
             self.push.forget_blocks(rid)
         self.out.finished_sending |= done | expired
-        self._evict_idle(now)
-        out, self.out = self.out, WorkerOutput()
-        return out
-
-    def _evict_idle(self, now: float) -> None:
         busy = {load.entry["remote_engine_id"] for load in self.book.loads.values()}
         busy |= {entry["remote_engine_id"] for _, entry in self._waiting}
-        for engine_id, engine in list(self.engines.items()):
-            if engine_id not in busy and now - engine.last_used > self.config.engine_ttl_s:
-                log.info("evicting idle remote engine %s", engine_id)
-                self.drop_engine(engine_id)
+        self.directory.evict_idle(self.agent, busy, now)
+        out, self.out = self.out, WorkerOutput()
+        return out
 
     def has_inflight(self) -> bool:
         return bool(self.book.loads or self._waiting or self.leases.leases)
@@ -317,19 +241,13 @@ class NixlWorker(ConnectorWorker):
         }
 
     def shutdown(self) -> None:
-        self.handshakes.shutdown()
         if self.server is not None:
             self.server.close()
+        if self.inflight is not None:
+            self.inflight.abort_all("shutdown")
+        self.directory.shutdown(self.agent)
         if self.agent is not None:
-            if self.inflight is not None:
-                self.inflight.abort_all("shutdown")
-            for engine_id in list(self.engines):
-                self.drop_engine(engine_id)
             if self.push is not None:
                 self.push.shutdown()
             self.agent.close()
             self.agent = None
-
-
-def _key(entry: dict[str, Any]) -> tuple[str, str, int]:
-    return (entry["remote_engine_id"], entry["remote_host"], int(entry["remote_port"]))

@@ -1,0 +1,83 @@
+"""The remote engines one worker reads from: one handshake each, then a prepared plan.
+
+Handshakes run in background threads; their results are applied (NIXL calls) on the
+engine thread in `collect`. An engine is dropped after a failed transfer to it (it
+may have restarted) or after `engine_ttl_s` without use.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from kvlink.connector.config import ConnectorConfig
+from kvlink.connector.handshakes import HandshakeRunner
+from kvlink.connector.remote import RemoteEngine, connect_reader, release_engine
+from kvlink.connector.stats import ConnectorStats
+from kvlink.layout.geometry import WorkerGeometry
+from kvlink.plan.tp_mapping import compute_tp_mapping
+from kvlink.transfer.agent import NixlAgent
+
+log = logging.getLogger("kvlink.connector")
+Key = tuple[str, str, int]
+
+
+def engine_key(entry: dict[str, Any]) -> Key:
+    return (entry["remote_engine_id"], entry["remote_host"], int(entry["remote_port"]))
+
+
+class EngineDirectory:
+    def __init__(self, config: ConnectorConfig, stats: ConnectorStats) -> None:
+        self.config, self.stats = config, stats
+        self.handshakes = HandshakeRunner(config.handshake_timeout_s, config.secret)
+        self.engines: dict[str, RemoteEngine] = {}
+
+    def known(self, entry: dict[str, Any]) -> bool:
+        return entry["remote_engine_id"] in self.engines or self.handshakes.pending(engine_key(entry))
+
+    def lookup(self, entry: dict[str, Any], local: WorkerGeometry) -> RemoteEngine | None:
+        """The ready engine, or None after making sure a handshake with it is under way."""
+        engine = self.engines.get(entry["remote_engine_id"])
+        if engine is not None:
+            return engine
+        key = engine_key(entry)
+        if not self.handshakes.pending(key):
+            ranks = compute_tp_mapping(local.model, local.tp_size, local.tp_rank,
+                                       entry["remote_tp_size"]).notify_ranks
+            self.handshakes.request(key, entry["remote_host"], entry["remote_port"],
+                                    entry["remote_engine_id"], ranks)
+        return None
+
+    def collect(self, agent: NixlAgent, local: WorkerGeometry,
+                on_failure: Callable[[str, str], None]) -> None:
+        """Apply finished handshakes; `on_failure(engine_id, reason)` for each that failed."""
+        for key, result in self.handshakes.take_done():
+            engine_id = str(key[0]) if isinstance(key, tuple) else str(key)
+            if isinstance(result, BaseException):
+                self.stats.count("failed_handshakes_total")
+                log.warning("handshake with engine %s failed: %s", engine_id, result)
+                on_failure(engine_id, f"handshake failed: {result}")
+                continue
+            try:
+                self.engines[engine_id] = connect_reader(agent, local, engine_id, result)
+            except Exception as exc:  # incompatible layout, NIXL refusal: fail its requests, keep serving
+                self.stats.count("refused_peers_total")
+                log.error("refusing engine %s: %s", engine_id, exc)
+                on_failure(engine_id, f"remote engine refused: {exc}")
+
+    def drop(self, agent: NixlAgent | None, engine_id: str) -> None:
+        engine = self.engines.pop(engine_id, None)
+        if engine is not None and agent is not None:
+            release_engine(agent, engine)
+
+    def evict_idle(self, agent: NixlAgent | None, busy: set[str], now: float) -> None:
+        for engine_id, engine in list(self.engines.items()):
+            if engine_id not in busy and now - engine.last_used > self.config.engine_ttl_s:
+                log.info("evicting idle remote engine %s", engine_id)
+                self.drop(agent, engine_id)
+
+    def shutdown(self, agent: NixlAgent | None) -> None:
+        self.handshakes.shutdown()
+        for engine_id in list(self.engines):
+            self.drop(agent, engine_id)
