@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from kvlink.serve.disconnect import unless_disconnected
 from kvlink.serve.engine_loop import AsyncEngine, EngineDead, RequestTimeout
 from kvlink.serve.errors import APIError, error_body, install_error_handlers
 from kvlink.serve.generation import GenerationFailed, Piece, Summary, generate_pieces
@@ -21,8 +21,6 @@ from kvlink.serve.responses import Kind, ResponseShape, sse
 
 SamplingFactory = Callable[..., Any]
 _STATS_TIMEOUT_S = 5.0
-_DISCONNECT_POLL_S = 0.25
-T = TypeVar("T")
 
 
 def engine_sampling_params() -> SamplingFactory:
@@ -82,7 +80,7 @@ def build_app(
         try:
             # The first piece is awaited before answering, so refusals and failures that
             # happen before any token (bad params, failed KV load) get a real HTTP status.
-            first = await _unless_disconnected(raw, pieces.__anext__())
+            first = await unless_disconnected(raw, pieces.__anext__())
         except Exception as error:
             await pieces.aclose()
             raise _as_api_error(error) from error
@@ -90,7 +88,7 @@ def build_app(
             events = _stream(shape, first, pieces, summary, body.include_usage_in_stream)
             return StreamingResponse(events, media_type="text/event-stream")
         try:
-            texts, last = await _unless_disconnected(raw, _collect(first, pieces))
+            texts, last = await unless_disconnected(raw, _collect(first, pieces))
         except Exception as error:
             raise _as_api_error(error) from error
         finally:
@@ -150,22 +148,6 @@ async def _collect(first: Piece, pieces: AsyncIterator[Piece]) -> tuple[list[str
     return texts, last
 
 
-async def _unless_disconnected(raw: Request, work: Awaitable[T]) -> T:
-    """Await `work`, cancelling it if the client goes away (the request is then aborted)."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await raw.is_disconnected():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                raise APIError(499, "the client closed the connection", "client_closed")
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
 
 
 async def _stream(

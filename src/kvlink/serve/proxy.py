@@ -13,24 +13,21 @@ the whole split of its time to first token: P prefill, KV move, D's first token.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any
 
 import anyio
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from kvlink.serve.disconnect import unless_disconnected
 from kvlink.serve.errors import APIError, error_body, install_error_handlers
 from kvlink.serve.metrics import MetricsRegistry
 from kvlink.serve.upstream import Instance, InstancePool, status_error, transport_error
-
-T = TypeVar("T")
-_DISCONNECT_POLL_S = 0.25
 
 PREFILL_HEADER = "x-kvlink-prefill-s"
 
@@ -47,22 +44,6 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return request
 
 
-async def _unless_disconnected(raw: Request, work: Awaitable[T]) -> T:
-    """Await `work`; if the client disconnects first, cancel it and answer 499."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await raw.is_disconnected():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                raise APIError(499, "the client closed the connection", "client_closed")
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
 
 
 def build_proxy_app(
@@ -169,14 +150,14 @@ def build_proxy_app(
         try:
             # A client that leaves while P prefills must not get its KV moved to D for nobody:
             # cancelling the upstream call closes that connection, and the instance aborts.
-            params, prefill_s = await _unless_disconnected(raw, run_prefill(path, body, headers))
+            params, prefill_s = await unless_disconnected(raw, run_prefill(path, body, headers))
             decode_request = dict(body, kv_transfer_params=params)
             if body.get("stream"):
-                return await _unless_disconnected(
+                return await unless_disconnected(
                     raw, stream_decode(path, decode_request, headers, started, prefill_s))
             sent = time.monotonic()
             with decode.acquire() as instance:
-                answer = await _unless_disconnected(
+                answer = await unless_disconnected(
                     raw, post_json("decode", instance, path, decode_request, headers))
             metrics.observe("decode_seconds", time.monotonic() - sent)
         except APIError as error:
