@@ -113,3 +113,24 @@ def test_output_arriving_after_abort_is_dropped(
 
     asyncio.run(main())
     assert async_engine.alive
+
+
+def test_a_call_cancelled_before_it_runs_does_not_kill_the_engine(async_engine: AsyncEngine) -> None:
+    """A client that leaves while its call waits in the queue (engine busy) must not
+    crash the engine thread when the engine gets to it."""
+    gate = threading.Event()
+
+    async def main() -> None:
+        blocker = asyncio.ensure_future(async_engine.call(lambda engine: gate.wait(5)))
+        await asyncio.sleep(0.05)  # the engine thread is now inside the blocking call
+        ran: list[bool] = []
+        queued = asyncio.ensure_future(async_engine.call(lambda engine: ran.append(True)))
+        await asyncio.sleep(0.05)
+        queued.cancel()
+        gate.set()
+        await blocker
+        assert await async_engine.stats() is not None  # the engine thread is alive and serving
+        assert not ran, "a cancelled call must not run"
+        assert async_engine.alive
+
+    asyncio.run(main())

@@ -12,22 +12,34 @@ from fastapi import Request
 from kvlink.serve.errors import APIError
 
 T = TypeVar("T")
-DISCONNECT_POLL_S = 0.25
+
+
+async def _client_gone(raw: Request) -> None:
+    """Returns when the ASGI server reports the client's disconnect (the body was read already)."""
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def unless_disconnected(raw: Request, work: Awaitable[T]) -> T:
-    """Await `work`; if the client disconnects first, cancel it (aborting the request) and answer 499."""
+    """Await `work`; if the client disconnects first, cancel it (aborting the request) and answer 499.
+
+    A task blocked on `receive()` sees the disconnect as soon as the server does, unlike
+    polling `Request.is_disconnected()`, which can miss it on a busy event loop.
+    """
     task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_client_gone(raw))
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await raw.is_disconnected():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                raise APIError(499, "the client closed the connection", "client_closed")
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise APIError(499, "the client closed the connection", "client_closed")
     except asyncio.CancelledError:
         task.cancel()
         raise
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await watcher

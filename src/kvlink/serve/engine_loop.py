@@ -161,6 +161,8 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
+            if not command.result.set_running_or_notify_cancel():
+                continue  # the caller gave up (client left) before the engine got to it
             try:
                 command.result.set_result(command.fn(self.engine))
             except Exception as error:  # handed to the caller, who decides
@@ -173,7 +175,9 @@ class AsyncEngine:
             self._deliver(request_id, EngineDead(reason), final=True)
         while True:
             try:
-                self._commands.get_nowait().result.set_exception(EngineDead(reason))
+                result = self._commands.get_nowait().result
+                if result.set_running_or_notify_cancel():
+                    result.set_exception(EngineDead(reason))
             except queue.Empty:
                 return
 
