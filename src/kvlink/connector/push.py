@@ -17,7 +17,6 @@ from kvlink.connector.loads import transfer_record
 from kvlink.connector.notifs import Pushed, PushRequest, encode
 from kvlink.connector.remote import RemoteEngine, connect_writer, release_engine
 from kvlink.layout.geometry import WorkerGeometry
-from kvlink.plan.tp_mapping import compute_tp_mapping
 from kvlink.transfer.agent import NixlAgent
 from kvlink.transfer.xfer import Transfer, TransferFailed
 
@@ -50,7 +49,8 @@ class PushWriter:
         w = self.worker
         assert w.server is not None
         now = w.clock()
-        sources = compute_tp_mapping(w.model, w.tp_size, w.tp_rank, engine.tp_size).source_ranks
+        assert engine.plan is not None
+        sources = engine.plan.mapping.source_ranks
         load = w.book.start(entry["request_id"], entry, _blocks(entry), now)
         load.pushes_expected = len(sources)
         load.deadline = now + w.config.stall_timeout_s + w.config.handshake_timeout_s

@@ -31,7 +31,6 @@ from kvlink.connector.remote import RemoteEngine, encode_geometry
 from kvlink.connector.stats import ConnectorStats
 from kvlink.layout.geometry import WorkerGeometry, build_worker_geometry
 from kvlink.layout.spec import ModelSpec
-from kvlink.plan.tp_mapping import compute_tp_mapping
 from kvlink.transfer.agent import NixlAgent
 from kvlink.transfer.agent_config import AgentConfig
 from kvlink.transfer.framing import resolve_secret
@@ -172,7 +171,8 @@ class NixlWorker(ConnectorWorker):
 
     # ---- notifications ------------------------------------------------------------------
     def notify(self, engine: RemoteEngine, entry: dict[str, Any], kind: str, only_extra: bool = False) -> None:
-        mapping = compute_tp_mapping(self.model, self.tp_size, self.tp_rank, engine.tp_size)
+        assert engine.plan is not None
+        mapping = engine.plan.mapping  # computed once at handshake
         if kind == "heartbeat":
             msg = encode(Heartbeat(tuple(entry["remote_request_ids"])), self.secret)
             targets = mapping.notify_ranks
