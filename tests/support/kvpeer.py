@@ -235,5 +235,16 @@ def n_blocks(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
+def pull_exact(p: Engine, d: Engine, rid: str, seed: int, prompt: int,
+               p_ids: list[list[int]], d_ids: list[list[int]], transfer_mode: str | None = None) -> None:
+    """P prefills `rid` into `p_ids`, D loads it into `d_ids`; every byte on every D rank must match."""
+    d.call("snapshot")
+    params = p.prefill(rid, seed, prompt, p_ids, transfer_mode=transfer_mode)
+    d.decode(f"d-{rid}", params, prompt, d_ids)
+    d.wait_settled([f"d-{rid}"])
+    assert not d.failed([f"d-{rid}"])
+    d.verify([{"rid": rid, "seed": seed, "tokens": prompt - 1, "block_ids": d_ids}])
+
+
 if __name__ == "__main__":
     main()

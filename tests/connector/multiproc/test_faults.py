@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kvpeer import Engine, blocks, start_engines, stop_engines
+from kvpeer import Engine, blocks, pull_exact, start_engines, stop_engines
 
 from kvlink.connector.api import RequestView
 
@@ -51,12 +51,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Engi
 
 def _pull(p: Engine, d: Engine, rid: str, seed: int, p_ids: list[list[int]], d_ids: list[list[int]],
           prompt: int = 40) -> None:
-    d.call("snapshot")
-    params = p.prefill(rid, seed, prompt, p_ids)
-    d.decode(f"d-{rid}", params, prompt, d_ids)
-    d.wait_settled([f"d-{rid}"])
-    assert not d.failed([f"d-{rid}"])
-    d.verify([{"rid": rid, "seed": seed, "tokens": prompt - 1, "block_ids": d_ids}])
+    pull_exact(p, d, rid, seed, prompt, p_ids, d_ids)
 
 
 def test_p_killed_before_d_reads(engines: dict[str, Engine]) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kvpeer import Engine, n_blocks, start_engines, stop_engines
+from kvpeer import Engine, n_blocks, pull_exact, start_engines, stop_engines
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -43,12 +43,7 @@ def _pull(p: Engine, d: Engine, rid: str, seed: int, prompt: int, p_bs: int, d_b
     p_att = [3 + 2 * i for i in range(n_blocks(prompt, p_bs))][::-1]
     d_att = [30 - i for i in range(n_blocks(prompt, d_bs))]
     p_ids, d_ids = ([p_att, [11]], [d_att, [5]]) if hybrid else ([p_att], [d_att])
-    d.call("snapshot")
-    params = p.prefill(rid, seed, prompt, p_ids)
-    d.decode(f"d-{rid}", params, prompt, d_ids)
-    d.wait_settled([f"d-{rid}"])
-    assert not d.failed([f"d-{rid}"])
-    d.verify([{"rid": rid, "seed": seed, "tokens": prompt - 1, "block_ids": d_ids}])
+    pull_exact(p, d, rid, seed, prompt, p_ids, d_ids)
     p.peers[0].wait_until(lambda: p.sent([rid]), 5.0, what="P frees")
     assert all(not s["lease_ids"] for s in p.call("state"))
 

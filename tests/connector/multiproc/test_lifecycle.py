@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kvpeer import Engine, blocks, n_blocks, start_engines, stop_engines
+from kvpeer import Engine, blocks, n_blocks, pull_exact, start_engines, stop_engines
 
 from kvlink.connector.api import RequestView
 
@@ -46,12 +46,7 @@ def _pull_ok(p: Engine, d: Engine, rid: str, seed: int, p_first: int = 40) -> No
     """A normal request from P to D: exact bytes, P frees on D's notification."""
     prompt = 40
     p_ids, d_ids = [blocks(p_first, n_blocks(prompt, 16))], [blocks(50, n_blocks(prompt, 16))]
-    d.call("snapshot")
-    params = p.prefill(rid, seed, prompt, p_ids)
-    d.decode(f"d-{rid}", params, prompt, d_ids)
-    d.wait_settled([f"d-{rid}"])
-    assert not d.failed([f"d-{rid}"])
-    d.verify([{"rid": rid, "seed": seed, "tokens": prompt - 1, "block_ids": d_ids}])
+    pull_exact(p, d, rid, seed, prompt, p_ids, d_ids)
     p.peers[0].wait_until(lambda: p.sent([rid]), 5.0, what=f"P frees {rid}")
 
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kvpeer import Engine, blocks, n_blocks, start_engines, stop_engines
+from kvpeer import Engine, blocks, n_blocks, pull_exact, start_engines, stop_engines
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -40,12 +40,7 @@ def test_pull_is_byte_exact_and_p_frees(engines: dict[str, Engine], p_tp: int, d
     rid, seed = f"tp{p_tp}{d_tp}", 100 * p_tp + d_tp
     p_ids = [blocks(7, n_blocks(prompt, 16))[::-1]]  # reversed: nothing merges on P
     d_ids = [[2 * i + 1 for i in range(n_blocks(prompt, 16))]]  # every other block on D
-    d.call("snapshot")
-    params = p.prefill(rid, seed, prompt, p_ids)
-    d.decode(f"d-{rid}", params, prompt, d_ids)
-    d.wait_settled([f"d-{rid}"])
-    assert not d.failed([f"d-{rid}"])
-    d.verify([{"rid": rid, "seed": seed, "tokens": prompt - 1, "block_ids": d_ids}])
+    pull_exact(p, d, rid, seed, prompt, p_ids, d_ids)
     p.peers[0].wait_until(lambda: p.sent([rid]), 5.0, what="P frees")
     assert all(not s["lease_ids"] for s in p.call("state"))
     # every D rank read its share; together the ranks moved each byte of the request once
@@ -120,12 +115,7 @@ def test_push_mode_is_byte_exact(engines: dict[str, Engine], p_tp: int, d_tp: in
     prompt, rid, seed = 70, f"push{p_tp}{d_tp}", 300 + p_tp
     p_ids = [blocks(80, n_blocks(prompt, 16))]
     d_ids = [blocks(60, n_blocks(prompt, 16))[::-1]]
-    d.call("snapshot")
-    params = p.prefill(rid, seed, prompt, p_ids, transfer_mode="push")
-    d.decode(f"d-{rid}", params, prompt, d_ids)
-    d.wait_settled([f"d-{rid}"])
-    assert not d.failed([f"d-{rid}"])
-    d.verify([{"rid": rid, "seed": seed, "tokens": prompt - 1, "block_ids": d_ids}])
+    pull_exact(p, d, rid, seed, prompt, p_ids, d_ids, transfer_mode="push")
     p.peers[0].wait_until(lambda: p.sent([rid]), 5.0, what="P frees after its WRITEs")
     written = sum(peer.call("stats")["counters"]["bytes_total"] for peer in p.peers)
     assert written >= (prompt - 1) * PER_TOKEN_TP1
