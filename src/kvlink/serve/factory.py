@@ -8,6 +8,8 @@ follower processes (`engine.tp_worker`) that mirror rank 0 over gloo.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import subprocess
 import time
 import uuid
 from collections.abc import Callable
@@ -94,8 +96,7 @@ def build_engine(args: argparse.Namespace, progress: Progress = print) -> Served
                        scheduler, worker, args.load_failure_policy)
     if scheduler is not None and local_worker is not None and config.side_channel_port == 0:
         # An ephemeral side channel: advertise the port we actually got.
-        scheduler.config = config.__class__(**{**config.__dict__,
-                                               "side_channel_port": local_worker.side_channel_port})
+        scheduler.config = dataclasses.replace(config, side_channel_port=local_worker.side_channel_port)
     max_model_len = min(model_max_len, args.num_blocks * args.block_size)
     if args.max_model_len:
         max_model_len = min(max_model_len, args.max_model_len)
@@ -111,8 +112,9 @@ def build_engine(args: argparse.Namespace, progress: Progress = print) -> Served
         for proc in followers:
             try:
                 proc.wait(timeout=10)
-            except Exception:
+            except subprocess.TimeoutExpired:
                 proc.kill()
+                proc.wait(timeout=10)
 
     def debug_state() -> dict[str, Any]:
         return local_worker.debug_state() if local_worker is not None else {}
