@@ -1,5 +1,10 @@
 """`kvlink bench transfer`: connector pull (or push) between P and D worker processes on loopback,
-against a bare NIXL pair moving the same bytes and a single-process numpy copy.
+against a bare NIXL pair moving the same bytes, NIXL over the connector's own descriptors
+(pull), and a single-process numpy copy.
+
+Machine noise here is of the order of the differences measured, so every size runs in
+rounds: one request through the connector and each baseline on the same block ids, in an
+order rotated each round; ratios are taken within a round and their median reported.
 
 Every figure comes from one run on this machine. Sizes are the shipped tokens of one
 request; the KV pool of each side holds the largest request, and the layer count is
@@ -47,10 +52,22 @@ class BenchOptions:
     d_tp: int = 1
     mode: str = "pull"
     block_size: int = 16
-    repeats: int = 5
+    repeats: int = 9
+    min_seconds: float = 1.0
+    max_rounds: int = 60
     max_gib: float = 2.0
     layers: int | None = None
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.tokens or min(self.tokens) < 1:
+            raise ValueError(f"--tokens must be positive token counts, got {self.tokens}")
+        if self.repeats < 1 or self.min_seconds < 0 or self.max_gib <= 0:
+            raise ValueError("--repeats must be >= 1, --min-seconds >= 0 and --max-gib > 0")
+        if self.p_tp < 1 or self.d_tp < 1 or self.block_size < 1:
+            raise ValueError("--p-tp, --d-tp and --block-size must be >= 1")
+        if self.mode not in ("pull", "push"):
+            raise ValueError(f"--mode must be pull or push, got {self.mode!r}")
 
 
 def per_layer_token_bytes(options: BenchOptions) -> int:
@@ -171,8 +188,9 @@ class _Runner:
         return ([int(x) for x in self.rng.permutation(pool)[:n]],
                 [int(x) for x in self.rng.permutation(pool)[:n]])
 
-    def request(self, tokens: int, p_ids: list[int], d_ids: list[int]) -> dict[str, Any]:
-        """One request: P finishes and holds it, every D rank loads it (timed), P frees it."""
+    def prepare(self, tokens: int, p_ids: list[int], d_ids: list[int]) -> dict[str, Any]:
+        """P finishes the request and holds its blocks; D's scheduler side allocates and
+        returns the load entry its workers would get (nothing moves yet)."""
         self.count += 1
         rid = f"r{self.count}"
         prompt = list(range(tokens + 1))
@@ -185,6 +203,16 @@ class _Runner:
         count, _ = self.d.sched.get_num_new_matched_tokens(view, 0)
         self.d.sched.update_state_after_alloc(view, [d_ids], count, 0)
         (entry,) = self.d.sched.build_step_metadata().loads
+        entry["_bench_rid"] = rid
+        return entry
+
+    def request(self, tokens: int, p_ids: list[int], d_ids: list[int]) -> dict[str, Any]:
+        """One whole request: prepare, then `load`."""
+        return self.load(self.prepare(tokens, p_ids, d_ids))
+
+    def load(self, entry: dict[str, Any]) -> dict[str, Any]:
+        """Every D rank loads the prepared request through the connector (timed); P frees it."""
+        rid = entry.pop("_bench_rid")
         results = call_all(self.d.peers, "load_timed", timeout_s=120.0, entry=entry)
         bad = [r["status"] for r in results if r["status"] != "done"]
         if bad:
@@ -226,36 +254,63 @@ class _Runner:
         rows = []
         for tokens in o.tokens:
             for layout in ("contiguous", "fragmented"):
-                # connector and raw runs alternate, so both see the same machine noise
-                samples: list[dict[str, Any]] = []
-                raw_times: list[float] = []
-                raw: dict[str, Any] = {}
-                desc = 0
-                verified = 0
-                for i in range(o.repeats):
-                    p_ids, d_ids = self._ids(tokens, layout)
-                    sample = self.request(tokens, p_ids, d_ids)
-                    samples.append(sample)
-                    if i == o.repeats - 1:  # before the raw READ below overwrites D's buffer
-                        verified = self._verify(p_ids, d_ids)
-                    if not desc:
-                        desc = sample["rank0_nbytes"] if layout == "contiguous" else \
-                            sample["rank0_nbytes"] // max(1, sample["rank0_descriptors"])
-                    raw = self.d.peers[0].call(
-                        "raw_read", timeout_s=120.0, nbytes=sample["rank0_nbytes"] // desc * desc,
-                        desc_bytes=desc, repeats=1, seed=tokens + len(raw_times), remotes=remotes)
-                    raw_times += raw["times_s"]
-                row = _summarize(tokens, layout, samples, memcpy[tokens])
-                row["verified_pages"] = verified
-                raw_s = statistics.median(raw_times)
-                row.update(raw_s=raw_s, raw_gbps=row["rank0_nbytes"] / raw_s / 1e9, raw_all_s=raw_times,
-                           raw_descriptors=raw["descriptors"], raw_merged=raw["merged_descriptors"],
-                           raw_desc_bytes=raw["desc_bytes"])
-                row["ratio_vs_raw"] = row["rank0_gbps"] / row["raw_gbps"]
-                rows.append(row)
-                self.log(_progress(row))
+                rows.append(self._measure(tokens, layout, remotes, memcpy[tokens]))
+                self.log(_progress(rows[-1]))
         return {"options": dataclasses.asdict(o), "sizes": self.sizes, "handshake_s": handshake_s,
                 "first_request_s": first["wall_s"], "rows": rows, "memcpy": memcpy}
+
+    def _measure(self, tokens: int, layout: str, remotes: list[dict[str, Any]],
+                 memcpy: dict[str, float]) -> dict[str, Any]:
+        """`repeats` rounds; each round times the connector, raw NIXL and (pull) NIXL over the
+        connector's own descriptors on the same block ids, in an order rotated every round so
+        that no method always runs first or after the same neighbour. The ratios are taken
+        per round (neighbours in time see the same machine), then their median."""
+        samples: list[dict[str, Any]] = []
+        raw_times: list[float] = []
+        same_times: list[float] = []
+        raw: dict[str, Any] = {}
+        desc = 0
+        methods = ["connector", "raw", "same"] if self.o.mode == "pull" else ["connector", "raw"]
+        rounds = self.o.repeats
+        i = 0
+        while i < rounds:
+            p_ids, d_ids = self._ids(tokens, layout)
+            entry = self.prepare(tokens, p_ids, d_ids)
+            order = methods[i % len(methods):] + methods[:i % len(methods)]
+            for method in order:
+                if method == "connector":
+                    samples.append(self.load(entry))
+                elif method == "same":
+                    same = call_all(self.d.peers, "plan_read", timeout_s=120.0, entry=entry)
+                    same_times.append(max(r["wall_s"] for r in same))
+                else:
+                    first = samples[0]  # round 0 runs the connector first: its stats give the sizes
+                    if not desc:
+                        desc = first["rank0_nbytes"] if layout == "contiguous" else \
+                            first["rank0_nbytes"] // max(1, first["rank0_descriptors"])
+                    raw = self.d.peers[0].call(
+                        "raw_read", timeout_s=120.0, nbytes=first["rank0_nbytes"] // desc * desc,
+                        desc_bytes=desc, repeats=1, seed=tokens + len(raw_times), remotes=remotes)
+                    raw_times += raw["times_s"]
+            if i == 0:  # small transfers are noisy: more rounds, up to about min_seconds each
+                wall = samples[0]["wall_s"]
+                rounds = max(rounds, min(self.o.max_rounds, math.ceil(self.o.min_seconds / max(wall, 1e-6))))
+            i += 1
+        # an untimed request whose pages are then compared (the raw READs overwrite D's buffer)
+        p_ids, d_ids = self._ids(tokens, layout)
+        self.request(tokens, p_ids, d_ids)
+        row = _summarize(tokens, layout, samples, memcpy)
+        row["verified_pages"] = self._verify(p_ids, d_ids)
+        walls = [s["wall_s"] for s in samples]
+        raw_s = statistics.median(raw_times)
+        row.update(raw_s=raw_s, raw_gbps=row["rank0_nbytes"] / raw_s / 1e9, raw_all_s=raw_times,
+                   raw_descriptors=raw["descriptors"], raw_merged=raw["merged_descriptors"],
+                   raw_desc_bytes=raw["desc_bytes"])
+        row.update(_ratios("ratio_vs_raw", raw_times, walls))
+        if same_times:
+            row.update(same_s=statistics.median(same_times), same_all_s=same_times)
+            row.update(_ratios("ratio_vs_same", same_times, walls))
+        return row
 
     def _verify(self, p_ids: list[int], d_ids: list[int]) -> int:
         """Compare digests of sampled pages on P and D (same TP and block size only)."""
@@ -283,14 +338,24 @@ def _summarize(tokens: int, layout: str, samples: list[dict[str, Any]], memcpy: 
         "plan_cpu_s": med("plan_cpu_s"), "post_cpu_s": med("post_cpu_s"), "nixl_cpu_s": med("nixl_cpu_s"),
         "nixl_wall_s": med("nixl_wall_s"), "connector_cpu_s": med("connector_cpu_s"),
         "cpu_pct": 100 * med("connector_cpu_s") / wall, "post_wall_s": med("post_wall_s"),
+        "polls": med("polls"), "polls_all": [s["polls"] for s in samples],
         "memcpy_s": memcpy["s"], "memcpy_gbps": memcpy["gbps"], "repeats": len(samples),
         "wall_all_s": [s["wall_s"] for s in samples],
     }
+
+
+def _ratios(key: str, baseline_s: list[float], connector_s: list[float]) -> dict[str, Any]:
+    """Connector throughput over a baseline's, per round (time ratio) and their median."""
+    per_round = [b / c for b, c in zip(baseline_s, connector_s, strict=True)]
+    return {key: statistics.median(per_round), f"{key}_all": per_round,
+            f"{key}_of_medians": statistics.median(baseline_s) / statistics.median(connector_s)}
 
 
 def _progress(row: dict[str, Any]) -> str:
     return (f"  {row['tokens']:>6} tokens {row['layout']:<10} {row['nbytes'] / 2**20:8.1f} MiB  "
             f"connector {row['wall_s'] * 1e3:8.2f} ms {row['gbps']:6.2f} GB/s  "
             f"raw NIXL {row['raw_s'] * 1e3:8.2f} ms ({row['raw_descriptors']} x {row['raw_desc_bytes'] // 1024} KiB)  "
-            f"x{row['ratio_vs_raw']:.2f}  cpu {row['connector_cpu_s'] * 1e3:.2f} ms ({row['cpu_pct']:.1f}%)")
+            f"x{row['ratio_vs_raw']:.2f}"
+            + (f" (same descriptors x{row['ratio_vs_same']:.2f})" if "ratio_vs_same" in row else "")
+            + f"  cpu {row['connector_cpu_s'] * 1e3:.2f} ms ({row['cpu_pct']:.1f}%)")
 

@@ -8,7 +8,11 @@ Commands on top of `transfer_peer.PeerServer`:
   (`NixlAgent.post`) and the time spent inside NIXL's `transfer`/`check_xfer_state`
   (on the CMA path the copy itself runs there, so it is subtracted).
 * `raw_expose` (P) / `raw_read` (D): a bare `NixlAgent` pair over the same buffers, READing
-  the same bytes as one descriptor, or as N equal descriptors at shuffled positions.
+  the same bytes as one descriptor, or as N equal descriptors at shuffled positions. The
+  pair connects once, untimed (as the connector's handshake is timed apart).
+* `plan_read {entry}` (D): the connector's own agent and prepared lists READ the entry's
+  planned descriptors, without notifications, tracking or stats: what the connector adds
+  on top of NIXL for the very same descriptors.
 * `digest {pages}`: blake2b of (region, page) pages, to check the bytes that moved.
 """
 
@@ -25,6 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvlink.bench.transfer_peer import PeerServer, configure_logging, protocol_stream
+from kvlink.connector.pull import local_tail
 from kvlink.layout.geometry import build_worker_geometry, packed_base_addrs
 from kvlink.transfer.agent import NixlAgent
 
@@ -78,8 +83,10 @@ class BenchPeer(PeerServer):
         self.meters = {k: CpuMeter() for k in ("plan", "post", "nixl")}
         self._instrumented: set[int] = set()
         self.raw_agent: NixlAgent | None = None
+        self._raw_remotes: dict[str, str] = {}
         self.commands.update(load_timed=self.cmd_load_timed, raw_expose=self.cmd_raw_expose,
-                             raw_read=self.cmd_raw_read, digest=self.cmd_digest, info=self.cmd_info)
+                             raw_read=self.cmd_raw_read, digest=self.cmd_digest, info=self.cmd_info,
+                             plan_read=self.cmd_plan_read)
 
     def _fill(self, how: str) -> None:
         """Touch every page now (so no page fault lands inside a timed transfer)."""
@@ -187,7 +194,7 @@ class BenchPeer(PeerServer):
         plans = []
         try:
             for i, remote in enumerate(remotes):
-                name = agent.add_remote(bytes.fromhex(remote["metadata"]))
+                name = self._raw_remote(agent, remote)
                 if one:
                     local_off = np.array([i * per_remote], dtype=np.int64)
                     remote_off = np.zeros(1, np.int64)
@@ -207,12 +214,54 @@ class BenchPeer(PeerServer):
                         pass
                 times.append(time.perf_counter() - t0)
                 merged = sum(t.telemetry.desc_count if t.telemetry is not None else count for t in posted)
+                for t in posted:
+                    agent.release(t)
         finally:
-            for name, lh, _ in plans:
+            for _, lh, rh in plans:  # the peer stays connected, like the connector's engines
                 agent.release_dlist(lh)
-                agent.remove_remote(name)
+                agent.release_dlist(rh)
         return {"times_s": times, "descriptors": count * len(remotes), "merged_descriptors": merged,
                 "desc_bytes": desc}
+
+    def cmd_plan_read(self, args: dict[str, Any]) -> dict[str, Any]:
+        """READ a load entry's planned descriptors with the connector's own agent and prepared
+        lists, but none of its bookkeeping: no notification, no tracker, no stats."""
+        entry = args["entry"]
+        engine = self.worker.engines[entry["remote_engine_id"]]
+        agent = self.worker.agent
+        assert engine.plan is not None and agent is not None
+        entry = local_tail(entry, self.model, self.block_size)
+        specs = engine.plan.request_ids(entry["local_block_ids"], entry["remote_block_ids"],
+                                        entry["num_tokens"], entry["local_computed_tokens"])
+        t0 = time.perf_counter()
+        posted = [agent.post("READ", engine.handles[s.src_rank].local_handle, s.local_idx,
+                             engine.handles[s.src_rank].remote_handle, s.remote_idx)
+                  for s in specs if len(s.local_idx)]
+        for t in posted:
+            while agent.poll(t) != "DONE":
+                pass
+        wall = time.perf_counter() - t0
+        for t in posted:
+            agent.release(t)
+        return {"wall_s": wall}
+
+    def _raw_remote(self, agent: NixlAgent, remote: dict[str, Any]) -> str:
+        """Load a bare P agent once and connect to it with one untimed 4 KiB READ, so that no
+        timed READ pays for UCX's connection setup (the connector's handshake is timed apart)."""
+        key = remote["metadata"]
+        if key not in self._raw_remotes:
+            name = agent.add_remote(bytes.fromhex(key))
+            lh = agent.prep_local(_descs(np.array([self.buf.ctypes.data], dtype=np.int64), ALIGN))
+            rh = agent.prep_remote(name, _descs(np.array([int(remote["base"])], dtype=np.int64), ALIGN))
+            idx = np.zeros(1, dtype=np.int64)
+            t = agent.post("READ", lh, idx, rh, idx)
+            while agent.poll(t) != "DONE":
+                pass
+            agent.release(t)
+            agent.release_dlist(lh)
+            agent.release_dlist(rh)
+            self._raw_remotes[key] = name
+        return self._raw_remotes[key]
 
     def cmd_digest(self, args: dict[str, Any]) -> dict[str, Any]:
         out = []

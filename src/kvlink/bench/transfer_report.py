@@ -9,15 +9,18 @@ CPU_TARGET_TOKENS = 4096
 
 def table(result: dict[str, Any]) -> str:
     head = ("| tokens | layout | MiB | descriptors (rank 0) | connector ms | connector GB/s | "
-            "raw NIXL ms | raw GB/s | raw descriptors | connector / raw | numpy memcpy GB/s | "
+            "raw NIXL ms | raw GB/s | raw descriptors | connector / raw (per-round median, range) | "
+            "connector / NIXL with its own descriptors | numpy memcpy GB/s | "
             "connector CPU ms (plan / post) | CPU % of transfer |")
-    lines = [head, "|" + "---:|" * 2 + "---:|" * 11]
-    lines[1] = "|---:|:---|" + "---:|" * 11
+    lines = [head, "|---:|:---|" + "---:|" * 12]
     for r in result["rows"]:
+        same = (f"{r['ratio_vs_same']:.2f}" if "ratio_vs_same" in r else "n/a (push)")
+        spread = r.get("ratio_vs_raw_all") or [r["ratio_vs_raw"]]
         lines.append(
             f"| {r['tokens']:,} | {r['layout']} | {r['nbytes'] / 2**20:.1f} | {r['rank0_descriptors']:,} | "
             f"{r['wall_s'] * 1e3:.2f} | {r['gbps']:.2f} | {r['raw_s'] * 1e3:.2f} | {r['raw_gbps']:.2f} | "
-            f"{r['raw_descriptors']:,} x {r['raw_desc_bytes'] // 1024} KiB | {r['ratio_vs_raw']:.2f} | "
+            f"{r['raw_descriptors']:,} x {r['raw_desc_bytes'] // 1024} KiB | {r['ratio_vs_raw']:.2f} "
+            f"({min(spread):.2f}–{max(spread):.2f}) | {same} | "
             f"{r['memcpy_gbps']:.2f} | {r['connector_cpu_s'] * 1e3:.3f} ({r['plan_cpu_s'] * 1e3:.3f} / "
             f"{r['post_cpu_s'] * 1e3:.3f}) | {r['cpu_pct']:.2f} |")
     return "\n".join(lines)
@@ -32,7 +35,8 @@ def verdicts(result: dict[str, Any]) -> list[str]:
         met = all(r["ratio_vs_raw"] >= 0.9 for r in rows)
         ratios = ", ".join(f"{r['tokens']}: {r['ratio_vs_raw']:.2f}" for r in rows)
         out.append(f"{layout} connector >= 0.9x {what}: {'MET' if met else 'NOT MET'} "
-                   f"(ratios {ratios}; worst {worst['ratio_vs_raw']:.2f} at {worst['tokens']} tokens)")
+                   f"(median of per-round ratios {ratios}; worst {worst['ratio_vs_raw']:.2f} at "
+                   f"{worst['tokens']} tokens)")
     cpu_rows = [r for r in result["rows"] if r["tokens"] == CPU_TARGET_TOKENS]
     if cpu_rows:
         pcts = ", ".join(f"{r['layout']} {r['cpu_pct']:.2f}%" for r in cpu_rows)
@@ -52,12 +56,13 @@ def plot(result: dict[str, Any], path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     tokens = sorted({r["tokens"] for r in result["rows"]})
+    raw_label = {"contiguous": "raw NIXL, one descriptor", "fragmented": "raw NIXL, same-size descriptors"}
     for layout, style in (("contiguous", "-"), ("fragmented", "--")):
         rows = sorted((r for r in result["rows"] if r["layout"] == layout), key=lambda r: r["tokens"])
         ax.plot([r["tokens"] for r in rows], [r["rank0_gbps"] for r in rows], "o" + style,
                 label=f"connector, {layout}")
         ax.plot([r["tokens"] for r in rows], [r["raw_gbps"] for r in rows], "s" + style, alpha=0.6,
-                label=f"raw NIXL, {layout} descriptors")
+                label=f"{raw_label[layout]} ({layout} ids)")
     ax.plot(tokens, [result["memcpy"][t]["gbps"] if t in result["memcpy"] else result["memcpy"][str(t)]["gbps"]
                      for t in tokens], "k:", label="numpy memcpy (one process)")
     o, s = result["options"], result["sizes"]

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
-from kvlink.bench.transfer import BenchOptions, run_bench
+from kvlink.bench.transfer import BenchOptions, plan_sizes, run_bench
 from kvlink.bench.transfer_report import plot, table, verdicts
 
 
@@ -22,7 +23,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--d-tp", type=int, default=1, help="decode TP size")
     parser.add_argument("--mode", choices=("pull", "push"), default="pull")
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=5, help="timed requests per size and layout (median)")
+    parser.add_argument("--repeats", type=int, default=9,
+                        help="minimum rounds per size and layout; each round times the connector, raw "
+                             "NIXL and NIXL over the connector's descriptors (medians of per-round ratios)")
+    parser.add_argument("--min-seconds", type=float, default=1.0,
+                        help="add rounds (up to 60) until the connector's timed transfers add up to "
+                             "about this long per size and layout (small transfers are noisy)")
     parser.add_argument("--max-gib", type=float, default=2.0,
                         help="cap one side's KV pool; layers are cut to fit (default 2 GiB)")
     parser.add_argument("--layers", type=int, default=None, help="use at most this many layers")
@@ -32,9 +38,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    options = BenchOptions(preset=args.preset, tokens=args.tokens, p_tp=args.p_tp, d_tp=args.d_tp,
-                           mode=args.mode, block_size=args.block_size, repeats=args.repeats,
-                           max_gib=args.max_gib, layers=args.layers)
+    try:
+        options = BenchOptions(preset=args.preset, tokens=args.tokens, p_tp=args.p_tp, d_tp=args.d_tp,
+                               mode=args.mode, block_size=args.block_size, repeats=args.repeats,
+                               min_seconds=args.min_seconds, max_gib=args.max_gib, layers=args.layers)
+        plan_sizes(options)  # refuses presets the benchmark cannot fill
+    except ValueError as exc:
+        print(f"kvlink bench transfer: error: {exc}", file=sys.stderr)
+        return 2
     result = run_bench(options)
     print()
     print(table(result))

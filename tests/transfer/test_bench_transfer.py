@@ -1,0 +1,99 @@
+"""`kvlink bench transfer`: a real P/D run on a small geometry (bytes and bookkeeping, never
+speed), and the arithmetic of its ratios and verdicts."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvlink.bench.transfer import BenchOptions, _ratios, per_layer_token_bytes, plan_sizes
+from kvlink.bench.transfer_report import table, verdicts
+
+
+def test_ratios_are_taken_per_round_then_the_median() -> None:
+    out = _ratios("r", baseline_s=[1.0, 2.0, 4.0], connector_s=[2.0, 2.0, 2.0])
+    assert out["r_all"] == [0.5, 1.0, 2.0]
+    assert out["r"] == 1.0
+    assert out["r_of_medians"] == 1.0
+    # the machine slows down for rounds 2 and 3 of the baseline but only round 2 of the
+    # connector: within a round they agree twice, while the medians say the baseline is 3x slower
+    drift = _ratios("r", baseline_s=[1.0, 3.0, 3.0], connector_s=[1.0, 3.0, 1.0])
+    assert drift["r"] == 1.0 and drift["r_of_medians"] == 3.0
+    with pytest.raises(ValueError):
+        _ratios("r", [1.0], [1.0, 2.0])
+
+
+def _row(tokens: int, layout: str, ratio: float, cpu_pct: float = 1.0) -> dict[str, object]:
+    return {"tokens": tokens, "layout": layout, "nbytes": 2**20, "rank0_descriptors": 4, "wall_s": 0.001,
+            "gbps": 1.0, "raw_s": 0.001, "raw_gbps": 1.0, "raw_descriptors": 1, "raw_desc_bytes": 2**20,
+            "ratio_vs_raw": ratio, "ratio_vs_raw_all": [ratio - 0.1, ratio, ratio + 0.1],
+            "memcpy_gbps": 5.0, "connector_cpu_s": 1e-5, "plan_cpu_s": 1e-6, "post_cpu_s": 1e-6,
+            "cpu_pct": cpu_pct}
+
+
+def test_verdicts_name_the_worst_size() -> None:
+    rows = [_row(512, "contiguous", 0.95), _row(4096, "contiguous", 0.89, cpu_pct=6.0),
+            _row(512, "fragmented", 0.97), _row(4096, "fragmented", 0.93)]
+    lines = verdicts({"rows": rows})
+    assert lines[0].startswith("contiguous connector >= 0.9x raw NIXL, one descriptor: NOT MET")
+    assert "worst 0.89 at 4096 tokens" in lines[0]
+    assert lines[1].startswith("fragmented connector >= 0.9x raw NIXL, same descriptor sizes: MET")
+    assert lines[2].startswith("connector CPU per request < 5% of transfer time at 4096 tokens: NOT MET")
+    text = table({"rows": rows})
+    assert "| 4,096 | contiguous |" in text and "0.89 (0.79–0.99)" in text and "n/a (push)" in text
+
+
+@pytest.mark.parametrize("bad", [
+    {"tokens": [0]}, {"tokens": []}, {"repeats": 0}, {"min_seconds": -1.0}, {"max_gib": 0.0},
+    {"p_tp": 0}, {"mode": "sideways"},
+])
+def test_bad_options_are_refused(bad: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        BenchOptions(**bad)  # type: ignore[arg-type]
+
+
+def test_pool_and_layer_cut() -> None:
+    opts = BenchOptions(preset="llama3-8b", tokens=[512, 32768], max_gib=2.0)
+    sizes = plan_sizes(opts)
+    assert sizes["pool_blocks"] == math.ceil(32769 / 16) + 1
+    assert sizes["layers"] == 15  # 128 KiB/token over 32 layers, 2050 blocks: 15 layers fit in 2 GiB
+    assert sizes["side_bytes"] <= 2 * 2**30
+    assert per_layer_token_bytes(opts) == 2 * 8 * 128 * 2  # K and V, 8 heads, dim 128, bf16
+    with pytest.raises(ValueError, match="attention and MLA"):
+        plan_sizes(BenchOptions(preset="hybrid-mamba2"))
+
+
+def test_bench_transfer_runs_between_processes(tmp_path: Path) -> None:
+    """Two worker processes, real NIXL: every size moves the planned bytes, pages match P's,
+    and the JSON carries each method's per-round samples."""
+    out = tmp_path / "t.json"
+    png = tmp_path / "t.png"
+    env = {**os.environ, "UCX_NET_DEVICES": "lo"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvlink.cli.main", "bench", "transfer", "--preset", "smollm2-135m",
+         "--tokens", "32,100", "--repeats", "3", "--min-seconds", "0", "--json", str(out), "--plot", str(png)],
+        env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "UCX remote-read protocol" in proc.stdout and png.stat().st_size > 10_000
+    result = json.loads(out.read_text())
+    token_bytes = result["sizes"]["token_bytes"]
+    assert result["sizes"]["layers"] == 30 and token_bytes == 30 * 2 * 3 * 64 * 4  # SmolLM2: 3 KV heads, dim 64, fp32
+    assert len(result["rows"]) == 4
+    for row in result["rows"]:
+        blocks = math.ceil(row["tokens"] / 16)  # a prompt of tokens + 1: D recomputes the last one
+        assert row["nbytes"] == blocks * 16 * token_bytes  # whole blocks of every layer, K and V
+        assert row["verified_pages"] == 16
+        assert len(row["wall_all_s"]) == len(row["raw_all_s"]) == len(row["same_all_s"]) == 3
+        assert len(row["ratio_vs_raw_all"]) == 3 and row["ratio_vs_raw"] > 0
+        if row["layout"] == "contiguous":
+            assert row["raw_descriptors"] == 1 and row["raw_desc_bytes"] == row["rank0_nbytes"]
+        else:  # the connector's descriptor size (after NIXL merged any neighbours), same bytes
+            assert row["raw_desc_bytes"] == row["rank0_nbytes"] // row["rank0_descriptors"]
+            assert 0 <= row["rank0_nbytes"] - row["raw_descriptors"] * row["raw_desc_bytes"] < row["raw_desc_bytes"]
+    assert len(result["verdicts"]) == 3
