@@ -169,6 +169,9 @@ def test_bad_requests_get_4xx_saying_why_and_leak_nothing(smollm: Cluster) -> No
         ("proxy: prompt longer than the context", proxy, {"prompt": too_long}, "maximum context length"),
         ("direct to D: max_tokens past the context", decode,
          {"max_tokens": 10_000, "kv_transfer_params": remote}, "reduce max_tokens"),
+        # P prefills before D refuses: D must tell P to free now (assert_clean below waits less
+        # than the lease)
+        ("proxy: max_tokens past the context", proxy, {"max_tokens": 10_000}, "reduce max_tokens"),
         ("proxy: bad temperature", proxy, {"temperature": 7}, "temperature"),
         ("proxy: streaming, prompt too long", proxy, {"prompt": too_long, "stream": True},
          "maximum context length"),

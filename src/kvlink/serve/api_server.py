@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from kvlink.connector.params import wants_remote_prefill
 from kvlink.serve.disconnect import unless_disconnected
 from kvlink.serve.engine_loop import AsyncEngine, EngineDead, RequestTimeout
 from kvlink.serve.errors import APIError, error_body, install_error_handlers
@@ -19,6 +21,7 @@ from kvlink.serve.prompts import chat_prompt_ids, completion_prompt_ids, token_b
 from kvlink.serve.protocol import ChatCompletionRequest, CompletionRequest
 from kvlink.serve.responses import Kind, ResponseShape, sse
 
+logger = logging.getLogger("kvlink.serve")
 SamplingFactory = Callable[..., Any]
 _STATS_TIMEOUT_S = 5.0
 
@@ -64,12 +67,31 @@ def build_app(
             seed=body.seed, stop_token_ids=tuple(sorted(tokenizer.eos_token_ids)),
         )
 
+    async def release_prefilled(
+        body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int], request_id: str,
+    ) -> None:
+        """Refused before the engine saw it: if P already prefilled it, let P free it now."""
+        try:
+            if not wants_remote_prefill(body.kv_transfer_params):
+                return
+            released = await engine.release_remote_prefill(
+                prompt_ids, sampling_for(body, 1), dict(body.kv_transfer_params or {}))
+        except Exception as error:  # the refusal still goes out; P's lease frees it later
+            logger.warning("request %s: could not tell the prefill engine to free it: %s", request_id, error)
+            return
+        if released:
+            logger.info("request %s refused; told the prefill engine to free its KV blocks", request_id)
+
     async def serve(
         raw: Request, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
         requested_max_tokens: int | None,
     ) -> Response:
-        max_tokens = token_budget(len(prompt_ids), requested_max_tokens, max_model_len)
         request_id = raw.headers.get("x-request-id") or uuid.uuid4().hex
+        try:
+            max_tokens = token_budget(len(prompt_ids), requested_max_tokens, max_model_len)
+        except APIError:
+            await release_prefilled(body, prompt_ids, request_id)
+            raise
         kind: Kind = "chat" if isinstance(body, ChatCompletionRequest) else "completion"
         shape = ResponseShape(kind, request_id, model_name)
         summary = Summary(request_id, role, prompt_tokens=len(prompt_ids))

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import queue
 import threading
+import uuid
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -144,6 +145,27 @@ class AsyncEngine:
             self._in_flight -= 1
             if not finished:
                 self._post(lambda engine: self._abort(request_id))
+
+    async def release_remote_prefill(
+        self, prompt_ids: list[int], sampling: Any, kv_transfer_params: dict[str, Any],
+    ) -> bool:
+        """A decode instance refused a request whose prompt a prefill engine already holds
+        (e.g. max_tokens past the context): enter it and abort it at once, so the connector
+        tells P to free its blocks now instead of when the lease runs out. False if the
+        engine refused the request itself (bad params or prompt): then P holds nothing we
+        could name, or its lease frees it."""
+        request_id = f"refused-{uuid.uuid4().hex}"
+
+        def release(engine: EngineLike) -> bool:
+            try:
+                engine.add_request(request_id, prompt_ids, sampling, kv_transfer_params)
+            except ValueError:
+                return False
+            engine.abort(request_id)
+            return True
+
+        released: bool = await self.call(release)
+        return released
 
     def _post(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future[Any]:
         command = _Command(fn, concurrent.futures.Future())
