@@ -63,6 +63,10 @@ def plot(result: dict[str, Any], path: str) -> None:
                 label=f"connector, {layout}")
         ax.plot([r["tokens"] for r in rows], [r["raw_gbps"] for r in rows], "s" + style, alpha=0.6,
                 label=f"{raw_label[layout]} ({layout} ids)")
+        own = [r for r in rows if "same_s" in r]
+        if own:
+            ax.plot([r["tokens"] for r in own], [r["rank0_nbytes"] / r["same_s"] / 1e9 for r in own],
+                    "^" + style, alpha=0.6, label=f"NIXL over the connector's descriptors ({layout} ids)")
     ax.plot(tokens, [result["memcpy"][t]["gbps"] if t in result["memcpy"] else result["memcpy"][str(t)]["gbps"]
                      for t in tokens], "k:", label="numpy memcpy (one process)")
     o, s = result["options"], result["sizes"]
