@@ -29,9 +29,11 @@ def cluster_for(spec: ClusterSpec, tmp_path_factory: pytest.TempPathFactory, nam
             assert service.proc.poll() is not None, f"{service.name} (pid {service.proc.pid}) still running"
 
 
-def spec(model: str, p_tp: int = 1, d_tp: int = 1, colocated: bool = True) -> ClusterSpec:
+def spec(model: str, p_tp: int = 1, d_tp: int = 1, colocated: bool = True,
+         transfer_mode: str = "pull") -> ClusterSpec:
     return ClusterSpec(model=model, prefill_tp=p_tp, decode_tp=d_tp, num_blocks=NUM_BLOCKS,
-                       block_size=BLOCK_SIZE, colocated=colocated, request_timeout_s=60.0)
+                       block_size=BLOCK_SIZE, colocated=colocated, request_timeout_s=60.0,
+                       transfer_mode=transfer_mode)
 
 
 def complete(url: str, prompt: str | list[int], max_tokens: int, **extra: Any) -> httpx.Response:

@@ -43,6 +43,11 @@ def smollm_p3_d1(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     yield from cluster_for(spec(MODEL, p_tp=3, d_tp=1, colocated=False), tmp_path_factory, "smollm-3-1")
 
 
+@pytest.fixture(scope="module")
+def smollm_push(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    yield from cluster_for(spec(MODEL, colocated=False, transfer_mode="push"), tmp_path_factory, "smollm-push")
+
+
 def urls(cluster: Cluster) -> tuple[str, str, str]:
     assert cluster.proxy and cluster.decode and cluster.prefill
     return cluster.proxy.url, cluster.decode.url, cluster.prefill.url
@@ -110,9 +115,39 @@ def test_shared_prefix_moves_only_the_missing_blocks(smollm: Cluster) -> None:
 
 
 def kv_bytes_total(url: str) -> int:
+    return metric(url, "kvlink_server_kv_bytes_total")
+
+
+def metric(url: str, name: str) -> int:
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    match = re.search(r"^kvlink_server_kv_bytes_total(?:\{\})? ([0-9.e+]+)$", text, re.MULTILINE)
+    match = re.search(rf"^{name}(?:\{{\}})? ([0-9.e+]+)$", text, re.MULTILINE)
     return int(float(match.group(1))) if match else 0
+
+
+def test_push_mode_through_the_proxy_equals_colocated(smollm: Cluster, smollm_push: Cluster) -> None:
+    """`--transfer-mode push`: P WRITEs the prompt's KV into the blocks D announced; the answers
+    are the colocated ones, P's connector counts the bytes D reports, a shared prefix on D
+    means only the missing blocks are pushed, and every pool is whole afterwards."""
+    proxy, decode, prefill = urls(smollm_push)
+    per_block = bytes_per_block()
+    for prompt in PROMPTS:
+        want, _ = completion_text(colocated_url(smollm), prompt, 10)
+        pushed_before, read_before = metric(prefill, "kvlink_bytes_total"), metric(decode, "kvlink_bytes_total")
+        got, body = completion_text(proxy, prompt, 10)
+        assert got == want != ""
+        blocks = math.ceil((body["usage"]["prompt_tokens"] - 1) / BLOCK_SIZE)
+        assert body["kvlink"]["kv_bytes"] == blocks * per_block
+        assert metric(prefill, "kvlink_bytes_total") - pushed_before == blocks * per_block  # P wrote them
+        assert metric(decode, "kvlink_bytes_total") == read_before  # D read nothing
+    rng = random.Random(11)
+    first = [rng.randrange(100, VOCAB) for _ in range(80)]
+    second = first[: 3 * BLOCK_SIZE] + [rng.randrange(100, VOCAB) for _ in range(20)]
+    completion_text(proxy, first, 2)
+    got, body = completion_text(proxy, second, 2)
+    assert body["kvlink"]["kv_bytes"] == (math.ceil((len(second) - 1) / BLOCK_SIZE) - 3) * per_block
+    want, _ = completion_text(colocated_url(smollm), second, 2)
+    assert got == want
+    assert_clean(smollm_push)
 
 
 def test_openai_client_through_the_proxy(smollm: Cluster) -> None:

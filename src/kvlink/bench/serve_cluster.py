@@ -67,6 +67,7 @@ class ClusterSpec:
     request_timeout_s: float = 120.0
     max_model_len: int | None = None
     progress_thread: bool = True  # NIXL progress thread on P and D (the serve default)
+    transfer_mode: str = "pull"  # pull: D READs; push: P WRITEs into the blocks D announces
 
 
 @dataclass
@@ -102,7 +103,7 @@ def _serve_args(spec: ClusterSpec, role: str, port: int, tp: int, threads: int,
         # With TP, rank r listens on kv_port + r; a free port and its next ones are very likely free.
         engine_id, kv_port = f"{role}-{port}", free_port()
         connectors[role] = (engine_id, kv_port)
-        args += ["--kv-port", str(kv_port), "--engine-id", engine_id]
+        args += ["--kv-port", str(kv_port), "--engine-id", engine_id, "--transfer-mode", spec.transfer_mode]
     return args
 
 

@@ -20,6 +20,9 @@ class Load:
     pushes_expected: int = 0
     pushes_seen: set[str] = field(default_factory=set)
     deadline: float = float("inf")
+    # push mode: what the sources will write, from D's own plan (P's WRITEs are not ours to count)
+    push_bytes: int = 0
+    push_descriptors: int = 0
 
     def record(self, t: Transfer) -> TransferRecord:
         return transfer_record(self.request_id, t)

@@ -50,9 +50,17 @@ class PushWriter:
         assert w.server is not None
         now = w.clock()
         assert engine.plan is not None
+        try:  # what the sources will write: checks the ids now, and gives the request's figures
+            specs = engine.plan.request_ids(entry["local_block_ids"], entry["remote_block_ids"],
+                                            entry["num_tokens"], entry["local_computed_tokens"])
+        except (ValueError, KeyError) as exc:
+            w.fail_request(entry["request_id"], _blocks(entry), f"cannot plan request: {exc}", bad_params=True)
+            return
         sources = engine.plan.mapping.source_ranks
         load = w.book.start(entry["request_id"], entry, _blocks(entry), now)
         load.pushes_expected = len(sources)
+        load.push_bytes = sum(spec.nbytes for spec in specs)
+        load.push_descriptors = sum(len(spec.local_idx) for spec in specs)
         load.deadline = now + w.config.stall_timeout_s + w.config.handshake_timeout_s
         for rank, name in engine.notify_agents(sources):
             info = {
@@ -75,6 +83,11 @@ class PushWriter:
         if len(load.pushes_seen) >= load.pushes_expected:
             w.book.finish(d_request_id)
             w.out.finished_recving.add(d_request_id)
+            w.out.transfer_figures[d_request_id] = {
+                "kv_bytes": float(load.push_bytes),
+                "kv_transfer_s": w.clock() - load.started,
+                "kv_descriptors": float(load.push_descriptors),
+            }
 
     # ---- P side -------------------------------------------------------------------------
     def remember_blocks(self, request_id: str, block_ids: list[list[int]]) -> None:
