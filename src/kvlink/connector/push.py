@@ -30,6 +30,7 @@ log = logging.getLogger("kvlink.connector.push")
 class _Job:
     request: PushRequest
     received: float
+    retried: bool = False  # a WRITE to a D we knew failed once: D may have restarted
 
 
 class PushWriter:
@@ -42,7 +43,7 @@ class PushWriter:
         self.readers: dict[tuple[str, int], RemoteEngine] = {}
         self.held_blocks: dict[str, list[list[int]]] = {}
         self.jobs: list[_Job] = []
-        self.writes: dict[int, tuple[str, int]] = {}
+        self.writes: dict[int, tuple[str, int, _Job]] = {}
 
     # ---- D side -------------------------------------------------------------------------
     def request_push(self, engine: RemoteEngine, entry: dict[str, Any]) -> None:
@@ -104,14 +105,20 @@ class PushWriter:
         for rid, load in list(w.book.loads.items()):
             if load.pushes_expected and not load.failed and now > load.deadline:
                 w.stats.count("stalled_transfers_total")
+                # A frozen P may still take the push request, or finish its WRITE, later: keep
+                # the blocks out of use as a stalled pull's are.
+                w.out.quarantine_s[rid] = w.config.quarantine_s
                 w.fail_request(rid, load.blocks, "stalled: no push completion before the deadline")
         for key, result in self.handshakes.take_done():
             assert isinstance(key, tuple)
+            d_engine, _, _, d_rank = key
             if isinstance(result, BaseException):
                 w.stats.count("failed_handshakes_total")
                 log.warning("push handshake with %s failed: %s", key, result)
+                # D is unreachable: drop its pending pushes (D fails them at its own deadline)
+                # rather than handshaking again on every poll.
+                self.jobs = [job for job in self.jobs if not _for_reader(job, d_engine, d_rank)]
                 continue
-            d_engine, _, _, d_rank = key
             try:
                 self.readers[(d_engine, d_rank)] = connect_writer(
                     self.agent, self.geometry, d_engine, d_rank, result[d_rank])
@@ -160,8 +167,8 @@ class PushWriter:
             self.worker.stats.count("failed_transfers_total")
             log.warning("push WRITE for %s failed: %s", rid, exc.reason)
             self._drop_reader(d_engine, d_rank)
-            return True
-        self.writes[id(t)] = (rid, expected)
+            return not self._retry(job)
+        self.writes[id(t)] = (rid, expected, job)
         assert self.worker.inflight is not None
         self.worker.inflight.add(t)
         return True
@@ -175,8 +182,23 @@ class PushWriter:
     def on_transfer_failed(self, t: Transfer) -> None:
         entry = self.writes.pop(id(t), None)
         if entry is not None:
+            rid, _, job = entry
             self.worker.stats.count("failed_transfers_total")
-            log.warning("push WRITE for %s failed: %s", entry[0], t.failure)
+            log.warning("push WRITE for %s failed: %s", rid, t.failure)
+            info = job.request.info
+            self._drop_reader(str(info["d_engine_id"]), int(info["d_rank"]))
+            if self._retry(job):
+                self.jobs.append(job)
+
+    def _retry(self, job: _Job) -> bool:
+        """Once per push request: a D that restarted under the same engine id is behind the
+        connection that failed; the job stays queued, so the next poll handshakes afresh."""
+        if job.retried:
+            return False
+        job.retried = True
+        log.info("retrying the push for %s after a new handshake with %s", job.request.request_id,
+                 job.request.info.get("d_engine_id"))
+        return True
 
     def _drop_reader(self, d_engine: str, d_rank: int) -> None:
         reader = self.readers.pop((d_engine, d_rank), None)
@@ -187,6 +209,11 @@ class PushWriter:
         self.handshakes.shutdown()
         for d_engine, d_rank in list(self.readers):
             self._drop_reader(d_engine, d_rank)
+
+
+def _for_reader(job: _Job, d_engine: str, d_rank: int) -> bool:
+    info = job.request.info
+    return bool(info.get("d_engine_id") == d_engine and info.get("d_rank") == d_rank)
 
 
 def _blocks(entry: dict[str, Any]) -> set[int]:

@@ -1,0 +1,147 @@
+"""Faults in push mode (`--transfer-mode push`: P WRITEs into the blocks D announced), on a
+real 1P1D tiny-hybrid cluster through the proxy, by PID. UCX over TCP on loopback, as in
+`test_pd_faults.py`, so that a frozen P really stops moving data.
+
+The push-specific hazard: D gives up on a push that never came (P frozen), but a P that
+resumes later still holds the push request and WRITEs into D's blocks. Those blocks must
+stay out of use (quarantined) so the late WRITE cannot land in another request's KV.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from pd_faults import (
+    Expected,
+    Result,
+    complete,
+    connector,
+    metric,
+    prompt_of,
+    request_parked_at_decode,
+    run_stream,
+    wait_for,
+)
+
+from kvlink.bench.load_cluster import Cluster, ClusterConfig, wait_clean
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+NUM_BLOCKS = 64
+LEASE_S = 3.0
+STALL_S = 2.0
+HANDSHAKE_S = 5.0  # the serve default; D's push deadline is stall + handshake timeout
+QUARANTINE_S = 12.0
+MAX_TOKENS = 8
+SLACK_S = 4.0
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    config = ClusterConfig(num_blocks=NUM_BLOCKS, lease_s=LEASE_S, stall_timeout_s=STALL_S,
+                           quarantine_s=QUARANTINE_S, load_failure_policy="recompute", reference=True,
+                           env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"},
+                           extra_args=["--transfer-mode", "push"])
+    c = Cluster(config, Path(tempfile.gettempdir()) / f"kvlink-push-faults-{os.getpid()}")
+    c.start()
+    try:
+        yield c
+    finally:
+        for which in ("prefill", "decode"):
+            svc = getattr(c, which)
+            if svc is not None and svc.proc.poll() is None:
+                c.signal(which, signal.SIGCONT)
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(cluster: Cluster) -> Expected:
+    assert cluster.reference is not None
+    return Expected(cluster.reference.url)
+
+
+def _url(cluster: Cluster, which: str) -> str:
+    svc = getattr(cluster, which)
+    assert svc is not None
+    return str(svc.url)
+
+
+def _ask(cluster: Cluster, i: int, timeout_s: float) -> Result:
+    return complete(_url(cluster, "proxy"), prompt_of(i), MAX_TOKENS, timeout_s)
+
+
+def _clean(cluster: Cluster, timeout_s: float) -> None:
+    urls = [_url(cluster, w) for w in ("prefill", "decode") if getattr(cluster, w).proc.poll() is None]
+    wait_clean(urls, NUM_BLOCKS, timeout_s)
+
+
+def test_push_answers_match_colocated_and_p_does_the_writing(cluster: Cluster, expected: Expected) -> None:
+    prefill, decode = _url(cluster, "prefill"), _url(cluster, "decode")
+    run_stream(_url(cluster, "proxy"), range(0, 4), expected)
+    assert metric(prefill, "bytes_total") > 0 and metric(prefill, "transfers_total") >= 4
+    assert metric(decode, "transfers_total") == 0  # D posted nothing: P wrote
+    _clean(cluster, 5)
+
+
+def test_p_frozen_before_pushing_late_write_lands_in_quarantined_blocks(
+        cluster: Cluster, expected: Expected) -> None:
+    prefill, decode = _url(cluster, "prefill"), _url(cluster, "decode")
+    run_stream(_url(cluster, "proxy"), range(299, 300), expected)  # D and P know each other
+    writes_before = metric(prefill, "transfers_total")
+    # P prefilled and holds the request; D (frozen until now) announces its blocks while P is
+    # frozen, so the push request waits in P's socket.
+    join = request_parked_at_decode(cluster, lambda: _ask(cluster, 300, HANDSHAKE_S + STALL_S + 2 * SLACK_S))
+    cluster.signal("prefill", signal.SIGSTOP)
+    try:
+        cluster.signal("decode", signal.SIGCONT)
+        resumed = time.monotonic()
+        wait_for(lambda: connector(cluster, "decode")["loads_in_flight"] >= 1, 10, "D waiting for the push")
+        result = join(HANDSHAKE_S + STALL_S + 2 * SLACK_S)
+        waited = time.monotonic() - resumed
+        # D gave up at its push deadline and recomputed: the right text, never a hang.
+        assert result.status == 200 and result.text == expected(prompt_of(300), MAX_TOKENS), result
+        assert STALL_S <= waited < HANDSHAKE_S + STALL_S + SLACK_S, waited
+        assert metric(decode, "stalled_transfers_total") >= 1
+        # The blocks D announced are out of use while a late WRITE may still come.
+        quarantined = cluster.state("decode")["engine"]["quarantined_blocks"]
+        assert sum(quarantined) > 0, quarantined
+    finally:
+        cluster.signal("prefill", signal.SIGCONT)
+    print(f"[push, P frozen] D answered by recompute {waited:.2f}s after it resumed")
+    # P wakes up holding the push request: its WRITE (if it still makes one) lands in the
+    # quarantined blocks. Everything D serves meanwhile is still right.
+    run_stream(_url(cluster, "proxy"), range(301, 305), expected)
+    for i in (305, 306):
+        direct = complete(decode, prompt_of(i), MAX_TOKENS, 30)
+        assert direct.status == 200 and direct.text == expected(prompt_of(i), MAX_TOKENS), direct
+    late_writes = metric(prefill, "transfers_total") - writes_before - 4  # 4 pushes of 301..304
+    print(f"[push, P frozen] late WRITEs after P resumed: {late_writes}")
+    # Once the quarantine is over, every block is back and nothing is held anywhere.
+    _clean(cluster, QUARANTINE_S + SLACK_S)
+
+
+def test_d_killed_with_the_request_accepted_p_frees_on_lease_expiry(
+        cluster: Cluster, expected: Expected) -> None:
+    run_stream(_url(cluster, "proxy"), range(399, 400), expected)  # P holds a connection to this D
+    join = request_parked_at_decode(cluster, lambda: _ask(cluster, 400, 30))
+    cluster.signal("decode", signal.SIGKILL)
+    result = join(10)
+    assert result.status == 502 and result.error and "decode" in result.error, result
+    wait_clean([_url(cluster, "prefill")], NUM_BLOCKS, LEASE_S + SLACK_S)
+    assert metric(_url(cluster, "prefill"), "expired_leases_total") >= 1
+    cluster.restart("decode")
+    # The new D has the old one's engine id: P's first WRITE goes to the dead connection,
+    # fails, and P pushes again after a fresh handshake — no wait for D's push deadline.
+    first = _ask(cluster, 401, 30)
+    assert first.status == 200 and first.text == expected(prompt_of(401), MAX_TOKENS), first
+    assert first.elapsed_s < STALL_S, f"the push waited for D's deadline ({first.elapsed_s:.2f}s)"
+    assert metric(_url(cluster, "decode"), "stalled_transfers_total") == 0
+    print(f"[push, D restarted] first request {first.elapsed_s:.2f}s")
+    run_stream(_url(cluster, "proxy"), range(402, 405), expected)
+    _clean(cluster, 5)
