@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from pd_faults import (
     Expected,
@@ -124,6 +125,32 @@ def test_p_frozen_before_pushing_late_write_lands_in_quarantined_blocks(
     print(f"[push, P frozen] late WRITEs after P resumed: {late_writes}")
     # Once the quarantine is over, every block is back and nothing is held anywhere.
     _clean(cluster, QUARANTINE_S + SLACK_S)
+
+
+def test_p_restarted_params_of_its_old_life_fail_fast(cluster: Cluster, expected: Expected) -> None:
+    """P dies and comes back under the same engine id; D gets params the old P made (the test
+    plays the router). D must not ask the new P to push blocks that hold nothing: it sees the
+    new incarnation at the re-handshake and recomputes at once, not at its push deadline."""
+    d_url, p_url = _url(cluster, "decode"), _url(cluster, "prefill")
+    run_stream(_url(cluster, "proxy"), range(349, 350), expected)  # D knows this P
+    old_params = httpx.post(p_url + "/v1/completions", timeout=30, json={
+        "prompt": prompt_of(350), "max_tokens": 1, "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True}}).json()["kv_transfer_params"]
+    cluster.signal("prefill", signal.SIGKILL)
+    cluster.restart("prefill")
+    started = time.monotonic()
+    r = httpx.post(d_url + "/v1/completions", timeout=30, headers={"X-Request-Id": f"old-{os.getpid()}"},
+                   json={"prompt": prompt_of(350), "max_tokens": MAX_TOKENS, "temperature": 0,
+                         "kv_transfer_params": old_params})
+    took = time.monotonic() - started
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected(prompt_of(350), MAX_TOKENS)
+    assert took < STALL_S, f"D waited {took:.2f}s: it asked the new P for a push"
+    assert metric(d_url, "restarted_peer_loads_total") >= 1
+    assert cluster.decode is not None
+    assert "restarted after prefilling" in cluster.decode.log_path.read_text(errors="replace")
+    print(f"[push, P restarted] old-life request recomputed after {took:.2f}s")
+    run_stream(_url(cluster, "proxy"), range(351, 354), expected)
+    _clean(cluster, LEASE_S + SLACK_S)
 
 
 def test_d_killed_with_the_request_accepted_p_frees_on_lease_expiry(

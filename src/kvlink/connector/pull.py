@@ -30,7 +30,7 @@ class PullReader:
         w = self.worker
         rid = entry["request_id"]
         assert engine.plan is not None and w.agent is not None and w.inflight is not None
-        if not self._same_incarnation(engine, entry):
+        if not self.same_incarnation(engine, entry):
             return
         try:
             specs = engine.plan.request_ids(entry["local_block_ids"], entry["remote_block_ids"],
@@ -63,8 +63,10 @@ class PullReader:
         w.notify(engine, entry, "notify", only_extra=True)
         self.maybe_complete(load)
 
-    def _same_incarnation(self, engine: RemoteEngine, entry: dict[str, Any]) -> bool:
-        """P names its start in the params; blocks named by an earlier start hold nothing now."""
+    def same_incarnation(self, engine: RemoteEngine, entry: dict[str, Any]) -> bool:
+        """P names its start in the params; blocks named by an earlier start hold nothing now.
+        Checked before a pull and before asking for a push; False means the load was either
+        queued again behind a fresh handshake or failed."""
         wanted, serving = entry.get("remote_incarnation"), incarnation(engine)
         if not wanted or not serving or wanted == serving:
             return True

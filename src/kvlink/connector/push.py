@@ -63,6 +63,7 @@ class PushWriter:
         load.push_bytes = sum(spec.nbytes for spec in specs)
         load.push_descriptors = sum(len(spec.local_idx) for spec in specs)
         load.deadline = now + w.config.stall_timeout_s + w.config.handshake_timeout_s
+        assert w.agent is not None
         for rank, name in engine.notify_agents(sources):
             info = {
                 "d_request_id": entry["request_id"], "d_engine_id": w.config.engine_id,
@@ -71,7 +72,19 @@ class PushWriter:
                 "local_computed_tokens": entry["local_computed_tokens"],
                 "num_tokens": entry["num_tokens"], "expected": engine.expected[rank],
             }
-            w.send(name, encode(PushRequest(entry["remote_request_id"], info), w.secret))
+            try:
+                w.agent.send_notif(name, encode(PushRequest(entry["remote_request_id"], info), w.secret))
+            except TransferFailed as exc:
+                w.book.finish(entry["request_id"])
+                if not entry.get("_retried"):
+                    # Likely a restarted P behind stale metadata: handshake again, once.
+                    log.warning("push request for %s not sent (%s); re-handshaking with %s once",
+                                entry["request_id"], exc.reason, engine.engine_id)
+                    w.retry_after_handshake(engine.engine_id, entry)
+                else:
+                    w.stats.count("failed_notifications_total")
+                    w.fail_request(entry["request_id"], _blocks(entry), f"cannot ask for the push: {exc.reason}")
+                return
         w.notify(engine, entry, "notify", only_extra=True)
 
     def on_pushed(self, d_request_id: str, sender: str) -> None:

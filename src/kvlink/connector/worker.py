@@ -128,7 +128,8 @@ class NixlWorker(ConnectorWorker):
             engine.last_used = self.clock()
             if kind == "load" and entry.get("transfer_mode") == "push":
                 assert self.push is not None
-                self.push.request_push(engine, entry)
+                if self.pull.same_incarnation(engine, entry):
+                    self.push.request_push(engine, entry)
             elif kind == "load":
                 self.pull.start(engine, entry)
             else:
