@@ -44,6 +44,7 @@ class ClusterConfig:
     prefill_netns: str | None = None  # run P inside this network namespace (`ip netns exec`)
     decode_netns: str | None = None
     extra_args: list[str] = field(default_factory=list)
+    prefill_args: list[str] = field(default_factory=list)  # on top of extra_args, P only (e.g. --tp 2)
 
 
 class Cluster:
@@ -86,7 +87,7 @@ class Cluster:
         self.prefill = self._start("prefill", [
             "serve", "--role", "prefill", "--host", c.prefill_host, "--port", str(self.p_port),
             "--kv-port", str(self.kv_port), "--engine-id", self.engine_id, "--lease-s", str(c.lease_s),
-            *self._common()], self.p_port, c.prefill_host, c.prefill_netns, {**c.env, **c.prefill_env})
+            *self._common(), *c.prefill_args], self.p_port, c.prefill_host, c.prefill_netns, {**c.env, **c.prefill_env})
         return self.prefill
 
     def start_decode(self) -> Service:

@@ -1,0 +1,112 @@
+"""A TP rank of P dies: real tiny-hybrid cluster with P at TP 2 and D at TP 1, through the proxy.
+
+P's rank 1 is a follower process (`engine.tp_worker`) that rank 0 drives over gloo, and
+that D reads half of every page from. Killing it must end in clear answers, never a hang
+or wrong text: D's load from the dead rank fails and D recomputes; P's engine, whose
+next collective finds the rank gone, stops serving with an error; a restarted P serves
+again and the cluster returns to its initial state.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from pd_faults import Expected, complete, prompt_of, request_parked_at_decode, run_stream
+
+from kvlink.bench.load_cluster import Cluster, ClusterConfig, wait_clean
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+NUM_BLOCKS = 64
+LEASE_S = 3.0
+STALL_S = 2.0
+MAX_TOKENS = 8
+SLACK_S = 6.0
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    config = ClusterConfig(num_blocks=NUM_BLOCKS, lease_s=LEASE_S, stall_timeout_s=STALL_S,
+                           quarantine_s=3.0, load_failure_policy="recompute", reference=True,
+                           env={"UCX_NET_DEVICES": "lo"}, prefill_args=["--tp", "2"])
+    c = Cluster(config, Path(tempfile.gettempdir()) / f"kvlink-tp-faults-{os.getpid()}")
+    c.start()
+    try:
+        yield c
+    finally:
+        for which in ("prefill", "decode"):
+            svc = getattr(c, which)
+            if svc is not None and svc.proc.poll() is None:
+                c.signal(which, signal.SIGCONT)
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(cluster: Cluster) -> Expected:
+    assert cluster.reference is not None
+    return Expected(cluster.reference.url)
+
+
+def _url(cluster: Cluster, which: str) -> str:
+    svc = getattr(cluster, which)
+    assert svc is not None
+    return str(svc.url)
+
+
+def _follower_pid(cluster: Cluster) -> int:
+    """P's TP rank 1: the one child of P's server process running `kvlink.engine.tp_worker`."""
+    assert cluster.prefill is not None
+    parent = cluster.prefill.proc.pid
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and b"tp_worker" in cmdline:
+            found.append(int(entry))
+    assert len(found) == 1, f"expected one follower of P (pid {parent}), found {found}"
+    return found[0]
+
+
+def test_p_follower_rank_killed_with_a_load_pending(cluster: Cluster, expected: Expected) -> None:
+    proxy, decode = _url(cluster, "proxy"), _url(cluster, "decode")
+    run_stream(proxy, range(0, 3), expected)  # TP 2 -> 1 works, D knows both P ranks
+    # P prefilled and holds the request; D (frozen) has not read it yet. P's rank 1 dies.
+    join = request_parked_at_decode(cluster, lambda: complete(proxy, prompt_of(10), MAX_TOKENS, 40))
+    follower = _follower_pid(cluster)
+    try:
+        os.kill(follower, signal.SIGKILL)
+    finally:
+        cluster.signal("decode", signal.SIGCONT)
+    resumed = time.monotonic()
+    result = join(STALL_S + 2 * SLACK_S)
+    # D cannot read rank 1's half: the load fails and D recomputes. Right text, bounded wait.
+    assert result.status == 200 and result.text == expected(prompt_of(10), MAX_TOKENS), result
+    assert time.monotonic() - resumed < STALL_S + SLACK_S
+    print(f"[P rank 1 killed] answer by recompute {time.monotonic() - resumed:.2f}s after D resumed")
+    # P's engine finds the rank gone at its next collective: requests get an error, not a hang.
+    started = time.monotonic()
+    broken = complete(proxy, prompt_of(11), MAX_TOKENS, 30)
+    assert broken.status is not None and broken.status >= 500 and broken.text is None, broken
+    assert time.monotonic() - started < 20, f"P took {time.monotonic() - started:.1f}s to fail"
+    health = httpx.get(_url(cluster, "prefill") + "/health", timeout=5)
+    print(f"[P rank 1 killed] next request: HTTP {broken.status} after {time.monotonic() - started:.2f}s; "
+          f"P /health {health.status_code}")
+    assert health.status_code != 200, "P reports healthy with a dead TP rank"
+    wait_clean([decode], NUM_BLOCKS, 3.0 + SLACK_S)  # D: nothing held (after its quarantine)
+    cluster.restart("prefill")
+    run_stream(proxy, range(12, 16), expected)
+    wait_clean([_url(cluster, "prefill"), decode], NUM_BLOCKS, LEASE_S + SLACK_S)
