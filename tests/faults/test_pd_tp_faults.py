@@ -1,4 +1,4 @@
-"""A TP rank of P dies: real tiny-hybrid cluster with P at TP 2 and D at TP 1, through the proxy.
+"""A TP rank of P dies or freezes: real tiny-hybrid cluster with P at TP 2 and D at TP 1, through the proxy.
 
 P's rank 1 is a follower process (`engine.tp_worker`) that rank 0 drives over gloo, and
 that D reads half of every page from. Killing it must end in clear answers, never a hang
@@ -29,13 +29,15 @@ LEASE_S = 3.0
 STALL_S = 2.0
 MAX_TOKENS = 8
 SLACK_S = 6.0
+STEP_TIMEOUT_S = 4.0
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
     config = ClusterConfig(num_blocks=NUM_BLOCKS, lease_s=LEASE_S, stall_timeout_s=STALL_S,
                            quarantine_s=3.0, load_failure_policy="recompute", reference=True,
-                           env={"UCX_NET_DEVICES": "lo"}, prefill_args=["--tp", "2"])
+                           env={"UCX_NET_DEVICES": "lo"},
+                           prefill_args=["--tp", "2", "--tp-step-timeout-s", str(STEP_TIMEOUT_S)])
     c = Cluster(config, Path(tempfile.gettempdir()) / f"kvlink-tp-faults-{os.getpid()}")
     c.start()
     try:
@@ -110,3 +112,26 @@ def test_p_follower_rank_killed_with_a_load_pending(cluster: Cluster, expected: 
     cluster.restart("prefill")
     run_stream(proxy, range(12, 16), expected)
     wait_clean([_url(cluster, "prefill"), decode], NUM_BLOCKS, LEASE_S + SLACK_S)
+
+
+def test_p_follower_rank_frozen_fails_the_engine_at_the_step_timeout(
+        cluster: Cluster, expected: Expected) -> None:
+    """A rank that stops answering (SIGSTOP) would hold rank 0 in its next all-reduce; the
+    step collectives' timeout (`--tp-step-timeout-s`) turns that into an engine error."""
+    proxy = _url(cluster, "proxy")
+    run_stream(proxy, range(20, 22), expected)
+    follower = _follower_pid(cluster)
+    os.kill(follower, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        result = complete(proxy, prompt_of(22), MAX_TOKENS, STEP_TIMEOUT_S + 3 * SLACK_S)
+        took = time.monotonic() - started
+        assert result.status is not None and result.status >= 500 and result.text is None, result
+        assert STEP_TIMEOUT_S - 1 <= took < STEP_TIMEOUT_S + SLACK_S, took
+        assert httpx.get(_url(cluster, "prefill") + "/health", timeout=5).status_code != 200
+        print(f"[P rank 1 frozen] HTTP {result.status} after {took:.2f}s (step timeout {STEP_TIMEOUT_S}s)")
+    finally:
+        os.kill(follower, signal.SIGKILL)
+    cluster.restart("prefill")
+    run_stream(proxy, range(23, 26), expected)
+    wait_clean([_url(cluster, "prefill"), _url(cluster, "decode")], NUM_BLOCKS, LEASE_S + SLACK_S)

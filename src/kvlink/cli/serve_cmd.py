@@ -35,6 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cap on prompt + completion tokens (default: what the blocks hold)")
     parser.add_argument("--request-timeout-s", type=float, default=120.0,
                         help="abort a request that produces nothing for this long")
+    parser.add_argument("--tp-step-timeout-s", type=float, default=60.0,
+                        help="with --tp: a collective inside a step (all-reduce, gathering the "
+                             "connector's outputs) that waits this long on a rank fails the engine "
+                             "with an error instead of hanging (a frozen or dead rank)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--progress-thread", action=argparse.BooleanOptionalAction, default=True,
                         help="run NIXL's progress thread (sleeps up to 1 ms between polls), so a "

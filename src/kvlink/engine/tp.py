@@ -22,31 +22,45 @@ import torch.distributed as dist
 from kvlink.connector.api import ConnectorWorker, LoadFailure, StepMetadata, WorkerOutput
 from kvlink.engine.model.base import PagedModel
 
-# Followers wait in a broadcast while the server idles, so the timeout is long; they
-# also die with their parent (see tp_worker), so nothing is left waiting for good.
+# Two groups besides the default one (used to meet). Commands: followers wait for rank
+# 0's next command there while the server idles, so their side waits up to a day (they
+# also die with their parent, see tp_worker); rank 0's side, which sends and so only waits
+# for a follower that is busy or gone, uses the step timeout. Steps: the collectives
+# inside a step (the model's all-reduces, gathering connector outputs) use the step
+# timeout on every rank. A frozen or dead rank thus fails the engine with an error in
+# about `step_timeout_s` instead of holding it for a day.
 IDLE_TIMEOUT = datetime.timedelta(hours=24)
+DEFAULT_STEP_TIMEOUT_S = 60.0
+_step_group: Any = None
+_command_group: Any = None
 
 
-def init_group(rank: int, world_size: int, port: int) -> None:
+def init_group(rank: int, world_size: int, port: int, step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S) -> None:
+    global _step_group, _command_group
+    if step_timeout_s <= 0:
+        raise ValueError(f"step_timeout_s must be > 0, got {step_timeout_s}")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size, timeout=IDLE_TIMEOUT)
+    ranks, step = list(range(world_size)), datetime.timedelta(seconds=step_timeout_s)
+    _command_group = dist.new_group(ranks, timeout=step if rank == 0 else IDLE_TIMEOUT, backend="gloo")
+    _step_group = dist.new_group(ranks, timeout=step, backend="gloo")
 
 
 def all_reduce(tensor: torch.Tensor) -> None:
-    dist.all_reduce(tensor)
+    dist.all_reduce(tensor, group=_step_group)
 
 
 def _broadcast(command: tuple[Any, ...] | None) -> tuple[Any, ...]:
     box = [command]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=_command_group)
     assert box[0] is not None
     return box[0]
 
 
 def _gather(value: Any) -> list[Any] | None:
     out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(value, out, dst=0)
+    dist.gather_object(value, out, dst=0, group=_step_group)
     return out
 
 

@@ -50,12 +50,12 @@ def main(argv: list[str]) -> int:
     from kvlink.connector.worker import NixlWorker
     from kvlink.engine.kv_cache import allocate_kv_caches, register_with
     from kvlink.engine.models import load_model
-    from kvlink.engine.tp import all_reduce, follow, init_group
+    from kvlink.engine.tp import DEFAULT_STEP_TIMEOUT_S, all_reduce, follow, init_group
     from kvlink.transfer.agent_config import AgentConfig
 
     torch.set_num_threads(1)
     rank, tp = spec["rank"], spec["tp"]
-    init_group(rank, tp, spec["port"])
+    init_group(rank, tp, spec["port"], float(spec.get("step_timeout_s") or DEFAULT_STEP_TIMEOUT_S))
     model, _ = load_model(spec["model"], rank, tp, all_reduce, progress=lambda line: None)
     caches = allocate_kv_caches(model.spec, tp, spec["block_size"], spec["kernel_block_size"],
                                 spec["num_blocks"])

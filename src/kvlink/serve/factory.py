@@ -70,14 +70,17 @@ def build_engine(args: argparse.Namespace, progress: Progress = print) -> Served
     config = _connector_config(args) if args.role != "both" else None
     progress_thread = bool(getattr(args, "progress_thread", False))
     followers: list[Any] = []
+    step_timeout_s = float(getattr(args, "tp_step_timeout_s", 60.0))
+    if tp > 1 and step_timeout_s <= 0:
+        raise ValueError(f"--tp-step-timeout-s must be > 0, got {step_timeout_s}")
     if tp > 1:
         port = free_port()
         progress(f"starting {tp - 1} follower rank process(es) for --tp {tp}")
         followers = launch_followers(
             {"model": args.model, "tp": tp, "port": port, "block_size": args.block_size,
              "kernel_block_size": kernel_block_size, "num_blocks": args.num_blocks,
-             "progress_thread": progress_thread}, config)
-        init_group(0, tp, port)
+             "progress_thread": progress_thread, "step_timeout_s": step_timeout_s}, config)
+        init_group(0, tp, port, step_timeout_s)
     model, model_max_len = load_model(args.model, 0, tp, all_reduce if tp > 1 else None, progress)
     engine_model: Any = TPModel(model) if tp > 1 else model
     progress("loading the tokenizer")
