@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
+import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
 
-from kvlink.bench.load_cluster import Cluster, metric
+from kvlink.bench.load_cluster import Cluster, ClusterConfig, metric
 
 __all__ = ["metric"]
 
@@ -96,6 +99,28 @@ def wait_for(cond: Callable[[], bool], timeout_s: float, what: str) -> float:
             raise AssertionError(f"{what} not seen within {timeout_s}s")
         time.sleep(0.05)
     return time.monotonic() - started
+
+
+def running_cluster(config: ClusterConfig, name: str, timeout_s: float = 180.0) -> Iterator[Cluster]:
+    """Start the cluster (logs in the temp dir, outside pytest's rotating basetemp, so they
+    survive for a post-mortem), yield it, and stop every process whatever happened, first
+    resuming any that a case left stopped."""
+    c = Cluster(config, Path(tempfile.gettempdir()) / f"{name}-{os.getpid()}")
+    c.start(timeout_s=timeout_s)
+    try:
+        yield c
+    finally:
+        for which in ("prefill", "decode"):
+            svc = getattr(c, which)
+            if svc is not None and svc.proc.poll() is None:
+                c.signal(which, signal.SIGCONT)
+        c.stop()
+
+
+def url_of(cluster: Cluster, which: str) -> str:
+    svc = getattr(cluster, which)
+    assert svc is not None, f"{which} is not running"
+    return str(svc.url)
 
 
 def connector(cluster: Cluster, which: str) -> dict[str, Any]:

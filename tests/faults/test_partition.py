@@ -13,13 +13,20 @@ import os
 import shutil
 import signal
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from pd_faults import Expected, complete, connector, in_background, prompt_of, run_stream, wait_for
+from pd_faults import (
+    Expected,
+    complete,
+    connector,
+    in_background,
+    prompt_of,
+    run_stream,
+    running_cluster,
+    wait_for,
+)
 
 from kvlink.bench.load_cluster import Cluster, ClusterConfig, wait_clean
 
@@ -97,16 +104,7 @@ def cluster(topology: None) -> Iterator[Cluster]:
                            prefill_netns=NS_P, decode_netns=NS_D, env={"UCX_TLS": "tcp"},
                            # Each side's UCX uses only its end of the P-D link.
                            prefill_env={"UCX_NET_DEVICES": KV_P}, decode_env={"UCX_NET_DEVICES": KV_D})
-    c = Cluster(config, Path(tempfile.gettempdir()) / f"kvlink-partition-{os.getpid()}")
-    c.start(timeout_s=180)
-    try:
-        yield c
-    finally:
-        for which in ("prefill", "decode"):
-            svc = getattr(c, which)
-            if svc is not None and svc.proc.poll() is None:
-                c.signal(which, signal.SIGCONT)
-        c.stop()
+    yield from running_cluster(config, "kvlink-partition", timeout_s=180)
 
 
 def _unread_in_netns(netns: str, port: int) -> int:

@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import os
 import signal
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -33,6 +31,8 @@ from pd_faults import (
     read_posted_against_frozen_p,
     request_parked_at_decode,
     run_stream,
+    running_cluster,
+    url_of,
     wait_for,
 )
 
@@ -55,48 +55,27 @@ def cluster() -> Iterator[Cluster]:
     config = ClusterConfig(num_blocks=NUM_BLOCKS, lease_s=LEASE_S, stall_timeout_s=STALL_S,
                            quarantine_s=QUARANTINE_S, load_failure_policy="recompute", reference=True,
                            env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"})
-    # Logs outside pytest's rotating basetemp, so they survive for a post-mortem.
-    c = Cluster(config, Path(tempfile.gettempdir()) / f"kvlink-faults-{os.getpid()}")
-    c.start()
-    try:
-        yield c
-    finally:
-        for which in ("prefill", "decode"):  # never leave a stopped process behind
-            svc = getattr(c, which)
-            if svc is not None and svc.proc.poll() is None:
-                c.signal(which, signal.SIGCONT)
-        c.stop()
+    yield from running_cluster(config, "kvlink-faults")
 
-
-@pytest.fixture(scope="module")
-def expected(cluster: Cluster) -> Expected:
-    assert cluster.reference is not None
-    return Expected(cluster.reference.url)
-
-
-def _url(cluster: Cluster, which: str) -> str:
-    svc = getattr(cluster, which)
-    assert svc is not None
-    return str(svc.url)
 
 
 def _assert_clean(cluster: Cluster, timeout_s: float) -> dict[str, float]:
-    urls = [_url(cluster, w) for w in ("prefill", "decode") if getattr(cluster, w) is not None
+    urls = [url_of(cluster, w) for w in ("prefill", "decode") if getattr(cluster, w) is not None
             and getattr(cluster, w).proc.poll() is None]
     return wait_clean(urls, NUM_BLOCKS, timeout_s)
 
 
 def _ask(cluster: Cluster, i: int, timeout_s: float, max_tokens: int = MAX_TOKENS) -> Result:
-    return complete(_url(cluster, "proxy"), prompt_of(i), max_tokens, timeout_s)
+    return complete(url_of(cluster, "proxy"), prompt_of(i), max_tokens, timeout_s)
 
 
 def test_baseline_stream_matches_colocated(cluster: Cluster, expected: Expected) -> None:
-    run_stream(_url(cluster, "proxy"), range(0, 6), expected)
+    run_stream(url_of(cluster, "proxy"), range(0, 6), expected)
     _assert_clean(cluster, 5)
 
 
 def test_p_frozen_mid_transfer_stall_deadline_then_resume(cluster: Cluster, expected: Expected) -> None:
-    d_url = _url(cluster, "decode")
+    d_url = url_of(cluster, "decode")
     stalls = metric(d_url, "stalled_transfers_total")
     join = read_posted_against_frozen_p(cluster, lambda: _ask(cluster, 100, STALL_S + 2 * SLACK_S))
     try:
@@ -113,7 +92,7 @@ def test_p_frozen_mid_transfer_stall_deadline_then_resume(cluster: Cluster, expe
     # The late completion (P answers the GET after SIGCONT) must not touch reused blocks.
     took = _assert_clean(cluster, LEASE_S + SLACK_S)
     print(f"[stall/recompute] after SIGCONT, clean after {took}")
-    run_stream(_url(cluster, "proxy"), range(101, 107), expected)
+    run_stream(url_of(cluster, "proxy"), range(101, 107), expected)
     _assert_clean(cluster, 5)
 
 
@@ -123,7 +102,7 @@ def _quarantined(url: str) -> list[int]:
 
 
 def _assert_clean_decode(cluster: Cluster) -> None:
-    wait_clean([_url(cluster, "decode")], NUM_BLOCKS, QUARANTINE_S + 5)
+    wait_clean([url_of(cluster, "decode")], NUM_BLOCKS, QUARANTINE_S + 5)
 
 
 def test_p_killed_mid_transfer(cluster: Cluster, expected: Expected) -> None:
@@ -135,10 +114,10 @@ def test_p_killed_mid_transfer(cluster: Cluster, expected: Expected) -> None:
     # A dead peer is detected by the transport, well before the stall deadline.
     assert time.monotonic() - killed < STALL_S, "D waited for the stall deadline, not the disconnect"
     print(f"[P killed mid-transfer] answered correctly {time.monotonic() - killed:.2f}s after the kill")
-    wait_for(lambda: metric(_url(cluster, "decode"), "failed_transfers_total") >= 1, 5, "failure counted")
+    wait_for(lambda: metric(url_of(cluster, "decode"), "failed_transfers_total") >= 1, 5, "failure counted")
     _assert_clean_decode(cluster)
     cluster.restart("prefill")
-    run_stream(_url(cluster, "proxy"), range(201, 205), expected)
+    run_stream(url_of(cluster, "proxy"), range(201, 205), expected)
     _assert_clean(cluster, 5)
 
 
@@ -146,7 +125,7 @@ def _ask_with_id(cluster: Cluster, i: int, request_id: str, timeout_s: float) ->
     started = time.monotonic()
     body = {"prompt": prompt_of(i), "max_tokens": MAX_TOKENS, "temperature": 0}
     try:
-        r = httpx.post(_url(cluster, "proxy") + "/v1/completions", json=body, timeout=timeout_s,
+        r = httpx.post(url_of(cluster, "proxy") + "/v1/completions", json=body, timeout=timeout_s,
                        headers={"X-Request-Id": request_id})
     except httpx.HTTPError as error:
         return Result(None, None, repr(error), time.monotonic() - started)
@@ -160,7 +139,7 @@ def test_p_restarted_same_engine_id_with_requests_of_both_lives(cluster: Cluster
     (b) a request the new P prefilled, through the proxy, at the same time. D re-handshakes
     once; (b) loads over NIXL from the new P; (a) must not be read from the new P's memory
     (its blocks hold nothing there): it fails to load and is recomputed. Never wrong text."""
-    d_url, p_url = _url(cluster, "decode"), _url(cluster, "prefill")
+    d_url, p_url = url_of(cluster, "decode"), url_of(cluster, "prefill")
     assert cluster.engine_id in connector(cluster, "decode")["remote_engines"]
     tag = f"rs{os.getpid()}"
     old_params = httpx.post(p_url + "/v1/completions", timeout=30, json={
@@ -190,7 +169,7 @@ def test_p_restarted_same_engine_id_with_requests_of_both_lives(cluster: Cluster
     print(f"[P restarted] old-life request recomputed, new-life one loaded: {new_line.split('role=')[1]}")
     wait_for(lambda: metric(d_url, "restarted_peer_loads_total") >= 1, 5, "restart counted")
     _assert_clean(cluster, LEASE_S + SLACK_S)
-    run_stream(_url(cluster, "proxy"), range(302, 305), expected)
+    run_stream(url_of(cluster, "proxy"), range(302, 305), expected)
 
 
 def test_d_killed_with_the_request_accepted_p_frees_on_lease_expiry(
@@ -202,13 +181,13 @@ def test_d_killed_with_the_request_accepted_p_frees_on_lease_expiry(
     result = join(10)
     assert result.status == 502 and result.error and "decode" in result.error, result
     print(f"[D killed] client got 502 after {result.elapsed_s:.2f}s")
-    took = wait_clean([_url(cluster, "prefill")], NUM_BLOCKS, LEASE_S + SLACK_S)
-    wait_for(lambda: metric(_url(cluster, "prefill"), "expired_leases_total") >= 1, 5, "expiry counted")
+    took = wait_clean([url_of(cluster, "prefill")], NUM_BLOCKS, LEASE_S + SLACK_S)
+    wait_for(lambda: metric(url_of(cluster, "prefill"), "expired_leases_total") >= 1, 5, "expiry counted")
     print(f"P free again {took} s after D's death (lease {LEASE_S} s)")
     # The next cases run D with policy `fail`: a failed load is a clear error, never wrong text.
     cluster.config.load_failure_policy = "fail"
     cluster.restart("decode")
-    run_stream(_url(cluster, "proxy"), range(401, 405), expected)
+    run_stream(url_of(cluster, "proxy"), range(401, 405), expected)
     _assert_clean(cluster, 5)
 
 
@@ -228,7 +207,7 @@ def test_p_killed_before_d_reads_policy_fail(cluster: Cluster, expected: Expecte
     print(f"[P killed before read/fail] 502 {time.monotonic() - resumed:.2f}s after D resumed")
     _assert_clean_decode(cluster)
     cluster.restart("prefill")
-    run_stream(_url(cluster, "proxy"), range(501, 505), expected)
+    run_stream(url_of(cluster, "proxy"), range(501, 505), expected)
     _assert_clean(cluster, 5)
 
 
@@ -239,13 +218,13 @@ def test_p_frozen_mid_transfer_policy_fail(cluster: Cluster, expected: Expected)
         assert result.status == 502 and result.error and "load_failure_policy" in result.error, result
         assert "stalled" in result.error
         assert result.elapsed_s < STALL_S + SLACK_S
-        assert sum(_quarantined(_url(cluster, "decode"))) > 0
+        assert sum(_quarantined(url_of(cluster, "decode"))) > 0
         print(f"[stall/fail] 502 after {result.elapsed_s:.2f}s")
         _assert_clean_decode(cluster)
     finally:
         cluster.signal("prefill", signal.SIGCONT)
     _assert_clean(cluster, LEASE_S + SLACK_S)
-    run_stream(_url(cluster, "proxy"), range(601, 605), expected)
+    run_stream(url_of(cluster, "proxy"), range(601, 605), expected)
 
 
 def _stream_lines(url: str, i: int, max_tokens: int, stop_after: int | None,
@@ -264,7 +243,7 @@ def _stream_lines(url: str, i: int, max_tokens: int, stop_after: int | None,
 
 def test_proxy_restarted_with_requests_in_flight(cluster: Cluster, expected: Expected) -> None:
     streams: list[tuple[list[str], list[str]]] = [([], []) for _ in range(4)]
-    threads = [threading.Thread(target=_stream_lines, args=(_url(cluster, "proxy"), 700 + k, 400, None,
+    threads = [threading.Thread(target=_stream_lines, args=(url_of(cluster, "proxy"), 700 + k, 400, None,
                                                             *streams[k]), daemon=True)
                for k in range(4)]
     for t in threads:
@@ -282,21 +261,21 @@ def test_proxy_restarted_with_requests_in_flight(cluster: Cluster, expected: Exp
     took = _assert_clean(cluster, LEASE_S + SLACK_S)
     print(f"[proxy killed] instances clean after {took}")
     cluster.restart("proxy")
-    run_stream(_url(cluster, "proxy"), range(710, 714), expected)
+    run_stream(url_of(cluster, "proxy"), range(710, 714), expected)
 
 
 def test_client_disconnects_mid_stream_on_d(cluster: Cluster) -> None:
     lines: list[str] = []
     errors: list[str] = []
-    _stream_lines(_url(cluster, "proxy"), 800, 400, 3, lines, errors)
+    _stream_lines(url_of(cluster, "proxy"), 800, 400, 3, lines, errors)
     assert len(lines) == 3 and not errors
     took = _assert_clean(cluster, 5)
-    assert took[_url(cluster, "decode")] < 2.0, took
+    assert took[url_of(cluster, "decode")] < 2.0, took
     print(f"[disconnect mid-stream] clean after {took}")
 
 
 def test_client_disconnects_mid_prefill_on_p(cluster: Cluster, expected: Expected) -> None:
-    d_url = _url(cluster, "decode")
+    d_url = url_of(cluster, "decode")
     d_requests = metric(d_url, "requests_total")
     d_bytes = metric(d_url, "kv_bytes_total")
     cluster.signal("prefill", signal.SIGSTOP)  # P busy: the request is not answered yet
@@ -310,4 +289,4 @@ def test_client_disconnects_mid_prefill_on_p(cluster: Cluster, expected: Expecte
     print(f"[disconnect mid-prefill] clean after {took}")
     assert metric(d_url, "requests_total") == d_requests, "D got a request nobody waits for"
     assert metric(d_url, "kv_bytes_total") == d_bytes, "KV was transferred for nobody"
-    run_stream(_url(cluster, "proxy"), range(901, 904), expected)
+    run_stream(url_of(cluster, "proxy"), range(901, 904), expected)

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import os
 import signal
-import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -27,6 +25,8 @@ from pd_faults import (
     prompt_of,
     request_parked_at_decode,
     run_stream,
+    running_cluster,
+    url_of,
     wait_for,
 )
 
@@ -49,42 +49,22 @@ def cluster() -> Iterator[Cluster]:
                            quarantine_s=QUARANTINE_S, load_failure_policy="recompute", reference=True,
                            env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"},
                            extra_args=["--transfer-mode", "push"])
-    c = Cluster(config, Path(tempfile.gettempdir()) / f"kvlink-push-faults-{os.getpid()}")
-    c.start()
-    try:
-        yield c
-    finally:
-        for which in ("prefill", "decode"):
-            svc = getattr(c, which)
-            if svc is not None and svc.proc.poll() is None:
-                c.signal(which, signal.SIGCONT)
-        c.stop()
+    yield from running_cluster(config, "kvlink-push-faults")
 
-
-@pytest.fixture(scope="module")
-def expected(cluster: Cluster) -> Expected:
-    assert cluster.reference is not None
-    return Expected(cluster.reference.url)
-
-
-def _url(cluster: Cluster, which: str) -> str:
-    svc = getattr(cluster, which)
-    assert svc is not None
-    return str(svc.url)
 
 
 def _ask(cluster: Cluster, i: int, timeout_s: float) -> Result:
-    return complete(_url(cluster, "proxy"), prompt_of(i), MAX_TOKENS, timeout_s)
+    return complete(url_of(cluster, "proxy"), prompt_of(i), MAX_TOKENS, timeout_s)
 
 
 def _clean(cluster: Cluster, timeout_s: float) -> None:
-    urls = [_url(cluster, w) for w in ("prefill", "decode") if getattr(cluster, w).proc.poll() is None]
+    urls = [url_of(cluster, w) for w in ("prefill", "decode") if getattr(cluster, w).proc.poll() is None]
     wait_clean(urls, NUM_BLOCKS, timeout_s)
 
 
 def test_push_answers_match_colocated_and_p_does_the_writing(cluster: Cluster, expected: Expected) -> None:
-    prefill, decode = _url(cluster, "prefill"), _url(cluster, "decode")
-    run_stream(_url(cluster, "proxy"), range(0, 4), expected)
+    prefill, decode = url_of(cluster, "prefill"), url_of(cluster, "decode")
+    run_stream(url_of(cluster, "proxy"), range(0, 4), expected)
     assert metric(prefill, "bytes_total") > 0 and metric(prefill, "transfers_total") >= 4
     assert metric(decode, "transfers_total") == 0  # D posted nothing: P wrote
     _clean(cluster, 5)
@@ -92,8 +72,8 @@ def test_push_answers_match_colocated_and_p_does_the_writing(cluster: Cluster, e
 
 def test_p_frozen_before_pushing_late_write_lands_in_quarantined_blocks(
         cluster: Cluster, expected: Expected) -> None:
-    prefill, decode = _url(cluster, "prefill"), _url(cluster, "decode")
-    run_stream(_url(cluster, "proxy"), range(299, 300), expected)  # D and P know each other
+    prefill, decode = url_of(cluster, "prefill"), url_of(cluster, "decode")
+    run_stream(url_of(cluster, "proxy"), range(299, 300), expected)  # D and P know each other
     writes_before = metric(prefill, "transfers_total")
     # P prefilled and holds the request; D (frozen until now) announces its blocks while P is
     # frozen, so the push request waits in P's socket.
@@ -117,7 +97,7 @@ def test_p_frozen_before_pushing_late_write_lands_in_quarantined_blocks(
     print(f"[push, P frozen] D answered by recompute {waited:.2f}s after it resumed")
     # P wakes up holding the push request: its WRITE (if it still makes one) lands in the
     # quarantined blocks. Everything D serves meanwhile is still right.
-    run_stream(_url(cluster, "proxy"), range(301, 305), expected)
+    run_stream(url_of(cluster, "proxy"), range(301, 305), expected)
     for i in (305, 306):
         direct = complete(decode, prompt_of(i), MAX_TOKENS, 30)
         assert direct.status == 200 and direct.text == expected(prompt_of(i), MAX_TOKENS), direct
@@ -131,8 +111,8 @@ def test_p_restarted_params_of_its_old_life_fail_fast(cluster: Cluster, expected
     """P dies and comes back under the same engine id; D gets params the old P made (the test
     plays the router). D must not ask the new P to push blocks that hold nothing: it sees the
     new incarnation at the re-handshake and recomputes at once, not at its push deadline."""
-    d_url, p_url = _url(cluster, "decode"), _url(cluster, "prefill")
-    run_stream(_url(cluster, "proxy"), range(349, 350), expected)  # D knows this P
+    d_url, p_url = url_of(cluster, "decode"), url_of(cluster, "prefill")
+    run_stream(url_of(cluster, "proxy"), range(349, 350), expected)  # D knows this P
     old_params = httpx.post(p_url + "/v1/completions", timeout=30, json={
         "prompt": prompt_of(350), "max_tokens": 1, "temperature": 0,
         "kv_transfer_params": {"do_remote_decode": True}}).json()["kv_transfer_params"]
@@ -149,26 +129,26 @@ def test_p_restarted_params_of_its_old_life_fail_fast(cluster: Cluster, expected
     assert cluster.decode is not None
     assert "restarted after prefilling" in cluster.decode.log_path.read_text(errors="replace")
     print(f"[push, P restarted] old-life request recomputed after {took:.2f}s")
-    run_stream(_url(cluster, "proxy"), range(351, 354), expected)
+    run_stream(url_of(cluster, "proxy"), range(351, 354), expected)
     _clean(cluster, LEASE_S + SLACK_S)
 
 
 def test_d_killed_with_the_request_accepted_p_frees_on_lease_expiry(
         cluster: Cluster, expected: Expected) -> None:
-    run_stream(_url(cluster, "proxy"), range(399, 400), expected)  # P holds a connection to this D
+    run_stream(url_of(cluster, "proxy"), range(399, 400), expected)  # P holds a connection to this D
     join = request_parked_at_decode(cluster, lambda: _ask(cluster, 400, 30))
     cluster.signal("decode", signal.SIGKILL)
     result = join(10)
     assert result.status == 502 and result.error and "decode" in result.error, result
-    wait_clean([_url(cluster, "prefill")], NUM_BLOCKS, LEASE_S + SLACK_S)
-    assert metric(_url(cluster, "prefill"), "expired_leases_total") >= 1
+    wait_clean([url_of(cluster, "prefill")], NUM_BLOCKS, LEASE_S + SLACK_S)
+    assert metric(url_of(cluster, "prefill"), "expired_leases_total") >= 1
     cluster.restart("decode")
     # The new D has the old one's engine id: P's first WRITE goes to the dead connection,
     # fails, and P pushes again after a fresh handshake — no wait for D's push deadline.
     first = _ask(cluster, 401, 30)
     assert first.status == 200 and first.text == expected(prompt_of(401), MAX_TOKENS), first
     assert first.elapsed_s < STALL_S, f"the push waited for D's deadline ({first.elapsed_s:.2f}s)"
-    assert metric(_url(cluster, "decode"), "stalled_transfers_total") == 0
+    assert metric(url_of(cluster, "decode"), "stalled_transfers_total") == 0
     print(f"[push, D restarted] first request {first.elapsed_s:.2f}s")
-    run_stream(_url(cluster, "proxy"), range(402, 405), expected)
+    run_stream(url_of(cluster, "proxy"), range(402, 405), expected)
     _clean(cluster, 5)

@@ -11,14 +11,20 @@ from __future__ import annotations
 
 import os
 import signal
-import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
-from pd_faults import Expected, complete, prompt_of, request_parked_at_decode, run_stream
+from pd_faults import (
+    Expected,
+    complete,
+    prompt_of,
+    request_parked_at_decode,
+    run_stream,
+    running_cluster,
+    url_of,
+)
 
 from kvlink.bench.load_cluster import Cluster, ClusterConfig, wait_clean
 
@@ -38,28 +44,8 @@ def cluster() -> Iterator[Cluster]:
                            quarantine_s=3.0, load_failure_policy="recompute", reference=True,
                            env={"UCX_NET_DEVICES": "lo"},
                            prefill_args=["--tp", "2", "--tp-step-timeout-s", str(STEP_TIMEOUT_S)])
-    c = Cluster(config, Path(tempfile.gettempdir()) / f"kvlink-tp-faults-{os.getpid()}")
-    c.start()
-    try:
-        yield c
-    finally:
-        for which in ("prefill", "decode"):
-            svc = getattr(c, which)
-            if svc is not None and svc.proc.poll() is None:
-                c.signal(which, signal.SIGCONT)
-        c.stop()
+    yield from running_cluster(config, "kvlink-tp-faults")
 
-
-@pytest.fixture(scope="module")
-def expected(cluster: Cluster) -> Expected:
-    assert cluster.reference is not None
-    return Expected(cluster.reference.url)
-
-
-def _url(cluster: Cluster, which: str) -> str:
-    svc = getattr(cluster, which)
-    assert svc is not None
-    return str(svc.url)
 
 
 def _follower_pid(cluster: Cluster) -> int:
@@ -84,7 +70,7 @@ def _follower_pid(cluster: Cluster) -> int:
 
 
 def test_p_follower_rank_killed_with_a_load_pending(cluster: Cluster, expected: Expected) -> None:
-    proxy, decode = _url(cluster, "proxy"), _url(cluster, "decode")
+    proxy, decode = url_of(cluster, "proxy"), url_of(cluster, "decode")
     run_stream(proxy, range(0, 3), expected)  # TP 2 -> 1 works, D knows both P ranks
     # P prefilled and holds the request; D (frozen) has not read it yet. P's rank 1 dies.
     join = request_parked_at_decode(cluster, lambda: complete(proxy, prompt_of(10), MAX_TOKENS, 40))
@@ -104,21 +90,21 @@ def test_p_follower_rank_killed_with_a_load_pending(cluster: Cluster, expected: 
     broken = complete(proxy, prompt_of(11), MAX_TOKENS, 30)
     assert broken.status is not None and broken.status >= 500 and broken.text is None, broken
     assert time.monotonic() - started < 20, f"P took {time.monotonic() - started:.1f}s to fail"
-    health = httpx.get(_url(cluster, "prefill") + "/health", timeout=5)
+    health = httpx.get(url_of(cluster, "prefill") + "/health", timeout=5)
     print(f"[P rank 1 killed] next request: HTTP {broken.status} after {time.monotonic() - started:.2f}s; "
           f"P /health {health.status_code}")
     assert health.status_code != 200, "P reports healthy with a dead TP rank"
     wait_clean([decode], NUM_BLOCKS, 3.0 + SLACK_S)  # D: nothing held (after its quarantine)
     cluster.restart("prefill")
     run_stream(proxy, range(12, 16), expected)
-    wait_clean([_url(cluster, "prefill"), decode], NUM_BLOCKS, LEASE_S + SLACK_S)
+    wait_clean([url_of(cluster, "prefill"), decode], NUM_BLOCKS, LEASE_S + SLACK_S)
 
 
 def test_p_follower_rank_frozen_fails_the_engine_at_the_step_timeout(
         cluster: Cluster, expected: Expected) -> None:
     """A rank that stops answering (SIGSTOP) would hold rank 0 in its next all-reduce; the
     step collectives' timeout (`--tp-step-timeout-s`) turns that into an engine error."""
-    proxy = _url(cluster, "proxy")
+    proxy = url_of(cluster, "proxy")
     run_stream(proxy, range(20, 22), expected)
     follower = _follower_pid(cluster)
     os.kill(follower, signal.SIGSTOP)
@@ -128,10 +114,10 @@ def test_p_follower_rank_frozen_fails_the_engine_at_the_step_timeout(
         took = time.monotonic() - started
         assert result.status is not None and result.status >= 500 and result.text is None, result
         assert STEP_TIMEOUT_S - 1 <= took < STEP_TIMEOUT_S + SLACK_S, took
-        assert httpx.get(_url(cluster, "prefill") + "/health", timeout=5).status_code != 200
+        assert httpx.get(url_of(cluster, "prefill") + "/health", timeout=5).status_code != 200
         print(f"[P rank 1 frozen] HTTP {result.status} after {took:.2f}s (step timeout {STEP_TIMEOUT_S}s)")
     finally:
         os.kill(follower, signal.SIGKILL)
     cluster.restart("prefill")
     run_stream(proxy, range(23, 26), expected)
-    wait_clean([_url(cluster, "prefill"), _url(cluster, "decode")], NUM_BLOCKS, LEASE_S + SLACK_S)
+    wait_clean([url_of(cluster, "prefill"), url_of(cluster, "decode")], NUM_BLOCKS, LEASE_S + SLACK_S)
