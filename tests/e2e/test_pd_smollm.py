@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import re
 from collections.abc import Iterator
 
 import httpx
@@ -21,6 +20,7 @@ from e2e_helpers import (
     spec,
 )
 
+from kvlink.bench.load_cluster import metric
 from kvlink.bench.serve_cluster import Cluster
 from kvlink.cli.demo_cmd import PASSAGE
 from kvlink.cli.launcher import free_port
@@ -115,13 +115,7 @@ def test_shared_prefix_moves_only_the_missing_blocks(smollm: Cluster) -> None:
 
 
 def kv_bytes_total(url: str) -> int:
-    return metric(url, "kvlink_server_kv_bytes_total")
-
-
-def metric(url: str, name: str) -> int:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    match = re.search(rf"^{name}(?:\{{\}})? ([0-9.e+]+)$", text, re.MULTILINE)
-    return int(float(match.group(1))) if match else 0
+    return int(metric(url, "kvlink_server_kv_bytes_total"))
 
 
 def test_push_mode_through_the_proxy_equals_colocated(smollm: Cluster, smollm_push: Cluster) -> None:

@@ -65,8 +65,8 @@ def _clean(cluster: Cluster, timeout_s: float) -> None:
 def test_push_answers_match_colocated_and_p_does_the_writing(cluster: Cluster, expected: Expected) -> None:
     prefill, decode = url_of(cluster, "prefill"), url_of(cluster, "decode")
     run_stream(url_of(cluster, "proxy"), range(0, 4), expected)
-    assert metric(prefill, "bytes_total") > 0 and metric(prefill, "transfers_total") >= 4
-    assert metric(decode, "transfers_total") == 0  # D posted nothing: P wrote
+    assert metric(prefill, "kvlink_bytes_total") > 0 and metric(prefill, "kvlink_transfers_total") >= 4
+    assert metric(decode, "kvlink_transfers_total") == 0  # D posted nothing: P wrote
     _clean(cluster, 5)
 
 
@@ -74,7 +74,7 @@ def test_p_frozen_before_pushing_late_write_lands_in_quarantined_blocks(
         cluster: Cluster, expected: Expected) -> None:
     prefill, decode = url_of(cluster, "prefill"), url_of(cluster, "decode")
     run_stream(url_of(cluster, "proxy"), range(299, 300), expected)  # D and P know each other
-    writes_before = metric(prefill, "transfers_total")
+    writes_before = metric(prefill, "kvlink_transfers_total")
     # P prefilled and holds the request; D (frozen until now) announces its blocks while P is
     # frozen, so the push request waits in P's socket.
     join = request_parked_at_decode(cluster, lambda: _ask(cluster, 300, HANDSHAKE_S + STALL_S + 2 * SLACK_S))
@@ -101,7 +101,7 @@ def test_p_frozen_before_pushing_late_write_lands_in_quarantined_blocks(
     for i in (305, 306):
         direct = complete(decode, prompt_of(i), MAX_TOKENS, 30)
         assert direct.status == 200 and direct.text == expected(prompt_of(i), MAX_TOKENS), direct
-    late_writes = metric(prefill, "transfers_total") - writes_before - 4  # 4 pushes of 301..304
+    late_writes = metric(prefill, "kvlink_transfers_total") - writes_before - 4  # 4 pushes of 301..304
     print(f"[push, P frozen] late WRITEs after P resumed: {late_writes}")
     # Once the quarantine is over, every block is back and nothing is held anywhere.
     _clean(cluster, QUARANTINE_S + SLACK_S)

@@ -207,15 +207,9 @@ class BenchPeer(PeerServer):
             idx = np.arange(count, dtype=np.int64)
             times, merged = [], 0
             for _ in range(int(args.get("repeats", 3))):
-                t0 = time.perf_counter()
-                posted = [agent.post("READ", lh, idx, rh, idx) for _, lh, rh in plans]
-                for t in posted:
-                    while agent.poll(t) != "DONE":
-                        pass
-                times.append(time.perf_counter() - t0)
-                merged = sum(t.telemetry.desc_count if t.telemetry is not None else count for t in posted)
-                for t in posted:
-                    agent.release(t)
+                wall, telemetry = _read_all(agent, [(lh, idx, rh, idx) for _, lh, rh in plans])
+                times.append(wall)
+                merged = sum(tel.desc_count if tel is not None else count for tel in telemetry)
         finally:
             for _, lh, rh in plans:  # the peer stays connected, like the connector's engines
                 agent.release_dlist(lh)
@@ -233,16 +227,9 @@ class BenchPeer(PeerServer):
         entry = local_tail(entry, self.model, self.block_size)
         specs = engine.plan.request_ids(entry["local_block_ids"], entry["remote_block_ids"],
                                         entry["num_tokens"], entry["local_computed_tokens"])
-        t0 = time.perf_counter()
-        posted = [agent.post("READ", engine.handles[s.src_rank].local_handle, s.local_idx,
-                             engine.handles[s.src_rank].remote_handle, s.remote_idx)
-                  for s in specs if len(s.local_idx)]
-        for t in posted:
-            while agent.poll(t) != "DONE":
-                pass
-        wall = time.perf_counter() - t0
-        for t in posted:
-            agent.release(t)
+        wall, _ = _read_all(agent, [(engine.handles[s.src_rank].local_handle, s.local_idx,
+                                     engine.handles[s.src_rank].remote_handle, s.remote_idx)
+                                    for s in specs if len(s.local_idx)])
         return {"wall_s": wall}
 
     def _raw_remote(self, agent: NixlAgent, remote: dict[str, Any]) -> str:
@@ -254,10 +241,7 @@ class BenchPeer(PeerServer):
             lh = agent.prep_local(_descs(np.array([self.buf.ctypes.data], dtype=np.int64), ALIGN))
             rh = agent.prep_remote(name, _descs(np.array([int(remote["base"])], dtype=np.int64), ALIGN))
             idx = np.zeros(1, dtype=np.int64)
-            t = agent.post("READ", lh, idx, rh, idx)
-            while agent.poll(t) != "DONE":
-                pass
-            agent.release(t)
+            _read_all(agent, [(lh, idx, rh, idx)])
             agent.release_dlist(lh)
             agent.release_dlist(rh)
             self._raw_remotes[key] = name
@@ -281,6 +265,20 @@ class BenchPeer(PeerServer):
         super().shutdown()
         if self.raw_agent is not None:
             self.raw_agent.close()
+
+
+def _read_all(agent: NixlAgent, reads: list[tuple[int, Any, int, Any]]) -> tuple[float, list[Any]]:
+    """Post every (local list, ids, remote list, ids) READ, spin until all are done, release
+    them; returns the wall time from the first post to the last completion and telemetry."""
+    t0 = time.perf_counter()
+    posted = [agent.post("READ", lh, lidx, rh, ridx) for lh, lidx, rh, ridx in reads]
+    for t in posted:
+        while agent.poll(t) != "DONE":
+            pass
+    wall = time.perf_counter() - t0
+    for t in posted:
+        agent.release(t)
+    return wall, [t.telemetry for t in posted]
 
 
 def _spread(rng: np.random.Generator, slots: int, count: int) -> npt.NDArray[np.int64]:

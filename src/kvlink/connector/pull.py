@@ -7,7 +7,6 @@ rest and fails the request with exactly its blocks named.
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 from kvlink.connector.loads import Load
@@ -18,8 +17,6 @@ from kvlink.transfer.xfer import Transfer, TransferFailed
 
 if TYPE_CHECKING:
     from kvlink.connector.worker import NixlWorker
-
-log = logging.getLogger("kvlink.connector.pull")
 
 
 class PullReader:
@@ -49,12 +46,8 @@ class PullReader:
                 t = w.agent.post("READ", handles.local_handle, spec.local_idx,
                                  handles.remote_handle, spec.remote_idx, done, tag=rid)
             except TransferFailed as exc:
-                if not load.transfers and not entry.get("_retried"):
-                    # Likely a restarted peer behind stale metadata: forget it and handshake again.
-                    log.warning("READ for %s refused (%s); re-handshaking with %s once",
-                                rid, exc.reason, engine.engine_id)
-                    w.book.finish(rid)
-                    w.retry_after_handshake(engine.engine_id, entry)
+                if not load.transfers and w.retry_after_handshake(
+                        engine.engine_id, entry, f"READ refused ({exc.reason})"):
                     return
                 self.failed(load, engine, exc.reason)
                 return
@@ -71,8 +64,8 @@ class PullReader:
         if not wanted or not serving or wanted == serving:
             return True
         w = self.worker
-        if not entry.get("_retried"):  # our view of P may be the stale one: look again
-            w.retry_after_handshake(engine.engine_id, entry)
+        # Our view of P may be the stale one: look again before failing.
+        if w.retry_after_handshake(engine.engine_id, entry, f"P serves incarnation {serving}, not {wanted}"):
             return False
         w.stats.count("restarted_peer_loads_total")
         w.fail_request(entry["request_id"], all_blocks(entry), (

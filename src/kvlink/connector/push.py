@@ -75,13 +75,7 @@ class PushWriter:
             try:
                 w.agent.send_notif(name, encode(PushRequest(entry["remote_request_id"], info), w.secret))
             except TransferFailed as exc:
-                w.book.finish(entry["request_id"])
-                if not entry.get("_retried"):
-                    # Likely a restarted P behind stale metadata: handshake again, once.
-                    log.warning("push request for %s not sent (%s); re-handshaking with %s once",
-                                entry["request_id"], exc.reason, engine.engine_id)
-                    w.retry_after_handshake(engine.engine_id, entry)
-                else:
+                if not w.retry_after_handshake(engine.engine_id, entry, f"push request not sent ({exc.reason})"):
                     w.stats.count("failed_notifications_total")
                     w.fail_request(entry["request_id"], _blocks(entry), f"cannot ask for the push: {exc.reason}")
                 return

@@ -162,10 +162,17 @@ class NixlWorker(ConnectorWorker):
         self.out.load_failures.setdefault(rid, LoadFailure(reason, bad_params))
         self.out.invalid_block_ids |= blocks
 
-    def retry_after_handshake(self, engine_id: str, entry: dict[str, Any]) -> None:
-        """Forget what we know of a remote engine and run this load again after a new handshake."""
+    def retry_after_handshake(self, engine_id: str, entry: dict[str, Any], why: str) -> bool:
+        """Once per load: forget what we know of a remote engine (it may have restarted behind
+        stale metadata) and run this load again after a new handshake. False if the load
+        already had its retry: the caller fails it."""
+        if entry.get("_retried"):
+            return False
+        log.warning("load %s: %s; re-handshaking with %s once", entry["request_id"], why, engine_id)
+        self.book.finish(entry["request_id"])
         self.drop_engine(engine_id)
         self._waiting.append(("load", {**entry, "_retried": True}))
+        return True
 
     def drop_engine(self, engine_id: str) -> None:
         self.directory.drop(self.agent, engine_id)
