@@ -54,10 +54,16 @@ class FakeEngine:
     pending: list[FakeOutput] = field(default_factory=list)
     seen: dict[str, tuple[list[int], Any, dict[str, Any] | None]] = field(default_factory=dict)
     threads: set[int] = field(default_factory=set)
+    # When set, add_request announces itself in `adding` and waits for `add_gate` (5 s at most).
+    add_gate: threading.Event | None = None
+    adding: threading.Event = field(default_factory=threading.Event)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: Any,
                     kv_transfer_params: dict[str, Any] | None = None) -> None:
         self.threads.add(threading.get_ident())
+        if self.add_gate is not None:
+            self.adding.set()
+            self.add_gate.wait(5)
         if kv_transfer_params is not None and "do_remote_decode" not in kv_transfer_params \
                 and "do_remote_prefill" not in kv_transfer_params:
             raise ValueError(f"kv_transfer_params has no known mode: {sorted(kv_transfer_params)}")

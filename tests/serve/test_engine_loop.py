@@ -89,6 +89,29 @@ def test_cancelled_caller_aborts_the_request(
     assert async_engine.in_flight == 0
 
 
+def test_caller_cancelled_while_its_request_is_being_added_aborts_it(
+    async_engine: AsyncEngine, fake_engine: FakeEngine
+) -> None:
+    """The client leaves while the engine thread is inside add_request: the add cannot be
+    called off any more, so the request must be aborted once it is in (it would otherwise
+    run to its end for nobody)."""
+    fake_engine.add_gate = threading.Event()
+
+    async def main() -> None:
+        task = asyncio.ensure_future(_collect(async_engine, "late", "hang", 3))
+        await _wait_until(fake_engine.adding.is_set)
+        task.cancel()
+        await asyncio.sleep(0.05)
+        fake_engine.add_gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await _wait_until(lambda: "late" in fake_engine.aborted)
+        assert "late" not in fake_engine.running
+
+    asyncio.run(main())
+    assert async_engine.in_flight == 0 and async_engine.alive
+
+
 def test_engine_crash_fails_waiters_and_later_calls(async_engine: AsyncEngine) -> None:
     async def main() -> None:
         with pytest.raises(EngineDead, match="simulated engine crash"):

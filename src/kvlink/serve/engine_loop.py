@@ -119,8 +119,13 @@ class AsyncEngine:
 
         try:
             await asyncio.wait_for(self.call(add), self.request_timeout_s)
+        except asyncio.CancelledError:
+            # The caller left while `add` was queued (then it is skipped) or already running
+            # (then the request is in): either way, abort whatever `add` put in.
+            self._post(lambda engine: self._abort(request_id, stream))
+            raise
         except asyncio.TimeoutError:
-            self._post(lambda engine: self._abort(request_id))  # runs after `add` if it ever does
+            self._post(lambda engine: self._abort(request_id, stream))  # runs after `add` if it ever does
             raise RequestTimeout(
                 f"the engine did not accept request {request_id} within "
                 f"{self.request_timeout_s:g}s; it is overloaded or stuck"
@@ -203,7 +208,11 @@ class AsyncEngine:
             except queue.Empty:
                 return
 
-    def _abort(self, request_id: str) -> None:
+    def _abort(self, request_id: str, stream: _Stream | None = None) -> None:
+        """Abort `request_id` if it is still in flight (and, given `stream`, only if it is that
+        caller's request, not another one under the same id)."""
+        if stream is not None and self._streams.get(request_id) is not stream:
+            return
         if self._streams.pop(request_id, None) is None:
             return  # already finished; nothing left in the engine
         try:
