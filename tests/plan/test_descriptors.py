@@ -5,7 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvlink.plan.descriptors import count_merged, desc_ids_attention, desc_ids_hybrid, page_descs
+from kvlink.plan.descriptors import (
+    count_merged,
+    desc_ids_attention,
+    desc_ids_hybrid,
+    locate,
+    page_descs,
+)
 
 
 def test_attention_ids_are_region_major() -> None:
@@ -33,21 +39,46 @@ def _descs(rows: list[tuple[int, int]], device: int = 0) -> np.ndarray:
     return np.array([(a, n, device) for a, n in rows], dtype=np.uint64)
 
 
+def _one_region(descs: np.ndarray) -> np.ndarray:
+    return np.zeros(len(descs), dtype=np.int64)
+
+
+def _merged(local: np.ndarray, remote: np.ndarray) -> int:
+    return count_merged(local, remote, _one_region(local), _one_region(remote))
+
+
 def test_count_merged_joins_only_runs_contiguous_on_both_sides() -> None:
     local = _descs([(0, 16), (16, 16), (32, 16), (100, 16)])
     remote = _descs([(500, 16), (516, 16), (900, 16), (916, 16)])
     # pair 0-1 contiguous on both; 1-2 only locally; 2-3 only remotely
-    assert count_merged(local, remote) == 3
+    assert _merged(local, remote) == 3
 
 
 def test_count_merged_needs_same_device_and_order() -> None:
     local = np.array([(0, 16, 0), (16, 16, 1)], dtype=np.uint64)
     remote = _descs([(0, 16), (16, 16)])
-    assert count_merged(local, remote) == 2
-    assert count_merged(_descs([(16, 16), (0, 16)]), _descs([(16, 16), (0, 16)])) == 2
-    assert count_merged(_descs([]).reshape(0, 3), _descs([]).reshape(0, 3)) == 0
+    assert _merged(local, remote) == 2
+    assert _merged(_descs([(16, 16), (0, 16)]), _descs([(16, 16), (0, 16)])) == 2
+    assert _merged(_descs([]).reshape(0, 3), _descs([]).reshape(0, 3)) == 0
+
+
+def test_count_merged_never_joins_across_registered_regions() -> None:
+    # two regions registered separately, back to back in memory: NIXL keeps them apart
+    local, remote = _descs([(0, 16), (16, 16)]), _descs([(500, 16), (516, 16)])
+    split = np.array([0, 1], dtype=np.int64)
+    assert count_merged(local, remote, split, _one_region(remote)) == 2
+    assert count_merged(local, remote, _one_region(local), split) == 2
+    assert count_merged(local, remote, _one_region(local), _one_region(remote)) == 1
+
+
+def test_locate_names_region_and_offset_whatever_the_base_order() -> None:
+    region, offset = locate(_descs([(1010, 8), (2000, 8), (1999, 1)]), [2000, 1000])
+    assert region.tolist() == [1, 0, 1] and offset.tolist() == [10, 0, 999]
 
 
 def test_count_merged_refuses_unpaired_arrays() -> None:
     with pytest.raises(ValueError, match="differ in shape"):
-        count_merged(_descs([(0, 1)]), _descs([(0, 1), (1, 1)]))
+        count_merged(_descs([(0, 1)]), _descs([(0, 1), (1, 1)]), _one_region(_descs([(0, 1)])),
+                     _one_region(_descs([(0, 1), (1, 1)])))
+    with pytest.raises(ValueError, match="one region index per descriptor"):
+        count_merged(_descs([(0, 1)]), _descs([(0, 1)]), _one_region(_descs([])), _one_region(_descs([])))

@@ -10,12 +10,17 @@ from kvlink.layout.presets import LLAMA3_8B, TINY_HYBRID
 from kvlink.layout.spec import FullAttention, ModelSpec
 from kvlink.plan import IncompatibleLayout, build_transfer_plan, count_merged, desc_ids_attention
 from kvlink.plan.compat import check_compatible
+from kvlink.plan.descriptors import locate
 
 
 def worker(model: ModelSpec, tp: int, rank: int, bs: int, kbs: int, blocks: int, side: int) -> WorkerGeometry:
     start = (1 + side * 16 + rank) << 36
     return build_worker_geometry(model, tp, rank, bs, kbs, blocks,
                                  packed_base_addrs(model, tp, bs, kbs, blocks, start), device_id=rank)
+
+
+def region_of(geometry: WorkerGeometry, descs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return locate(descs, [r.base for r in geometry.regions])
 
 
 def engine(model: ModelSpec, tp: int, bs: int, kbs: int, blocks: int) -> dict[int, WorkerGeometry]:
@@ -53,11 +58,13 @@ def test_prefix_hit_moves_only_the_tail() -> None:
 
 
 def test_contiguous_blocks_merge_into_one_descriptor_per_region() -> None:
-    d = worker(LLAMA3_8B, 1, 0, 16, 16, 100, 1)
-    plan = build_transfer_plan(d, engine(LLAMA3_8B, 1, 16, 16, 100))
+    d, p = worker(LLAMA3_8B, 1, 0, 16, 16, 100, 1), worker(LLAMA3_8B, 1, 0, 16, 16, 100, 0)
+    plan = build_transfer_plan(d, {0: p})
     source = plan.source(0)
     (spec,) = plan.request_ids([list(range(20, 84))], [list(range(0, 64))], num_tokens_to_ship=1024)
-    merged = count_merged(source.local_descs[spec.local_idx], source.remote_descs[spec.remote_idx])
+    local, remote = source.local_descs[spec.local_idx], source.remote_descs[spec.remote_idx]
+    (local_regions, _), (remote_regions, _) = region_of(d, local), region_of(p, remote)
+    merged = count_merged(local, remote, local_regions, remote_regions)
     assert (len(spec.local_idx), merged) == (64 * 32, 32)
 
 

@@ -8,7 +8,8 @@ import sys
 from collections.abc import Sequence
 
 # subcommand -> module defining `add_arguments(parser)` and `run(args) -> int`.
-# Modules are imported only when their command runs, so `kvlink plan` never loads torch.
+# Only the module of the command being run is imported (for its options, then its run),
+# and those modules keep heavy imports inside `run`, so `kvlink plan` never loads torch.
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("kvlink.cli.demo_cmd", "start P, D, the proxy and a colocated instance; compare answers"),
     "plan": ("kvlink.cli.plan_cmd", "show the transfer plan between a P and a D configuration"),
@@ -21,28 +22,39 @@ BENCHES: dict[str, tuple[str, str]] = {
     "plan": ("kvlink.cli.bench_plan", "time per-request planning arrays"),
     "serve": ("kvlink.cli.bench_serve", "TTFT, inter-token latency and throughput: 1P1D vs colocated"),
     "transfer": ("kvlink.cli.bench_transfer", "P/D worker processes: connector pull/push vs raw NIXL vs memcpy"),
-    "load": ("kvlink.cli.bench_load", "500 requests through the proxy, 10% cancelled: no leaks, TTFT, errors"),
+    "load": ("kvlink.cli.bench_load", "500 requests through the proxy, 10%% cancelled: no leaks, TTFT, errors"),
 }
 
 
-def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvlink", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, (module, help_text) in COMMANDS.items():
+def _chosen(argv: Sequence[str]) -> str | None:
+    """The first positional word: the (sub)command about to run, if any."""
+    return next((word for word in argv if not word.startswith("-")), None)
+
+
+def _add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser],
+                  commands: dict[str, tuple[str, str]], chosen: str | None) -> None:
+    """One subparser per command; only the chosen one imports its module to add its options."""
+    for name, (module, help_text) in commands.items():
         p = sub.add_parser(name, help=help_text)
         p.set_defaults(_module=module)
-        importlib.import_module(module).add_arguments(p)
+        if name == chosen:
+            importlib.import_module(module).add_arguments(p)
+
+
+def _build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvlink", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    command = _chosen(argv)
+    _add_commands(sub, COMMANDS, command)
     bench = sub.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="bench", required=True)
-    for name, (module, help_text) in BENCHES.items():
-        p = bench_sub.add_parser(name, help=help_text)
-        p.set_defaults(_module=module)
-        importlib.import_module(module).add_arguments(p)
+    rest = argv[list(argv).index("bench") + 1:] if command == "bench" else []
+    _add_commands(bench.add_subparsers(dest="bench", required=True), BENCHES, _chosen(rest))
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
+    words = sys.argv[1:] if argv is None else list(argv)
+    args = _build_parser(words).parse_args(words)
     code: int = importlib.import_module(args._module).run(args)
     return code
 

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch loads only with a model, so CLI commands can list MODEL_NAMES cheaply
+    import torch
 
-from kvlink.engine.model.base import PagedModel
+    from kvlink.engine.model.base import PagedModel
 
 MODEL_NAMES = ("smollm2-135m", "tiny-hybrid")
 Progress = Callable[[str], None]
-AllReduce = Callable[[torch.Tensor], None]
+AllReduce = Callable[["torch.Tensor"], None]
 
 
 def load_model(

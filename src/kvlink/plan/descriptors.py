@@ -75,20 +75,40 @@ def page_descs(
     return descs.reshape(-1, 3)
 
 
-def count_merged(local_descs: DescArray, remote_descs: DescArray) -> int:
-    """Descriptors left after merging neighbours that are contiguous on both sides.
+def locate(descs: DescArray, region_bases: Sequence[int] | IntArray) -> tuple[IntArray, IntArray]:
+    """(region index, byte offset from that region's base) of each descriptor's start.
 
-    Pass the descriptors in posting order, e.g. `local_list[spec.local_idx]`.
+    `region_bases[i]` is where region i starts; regions must not overlap (any order).
+    """
+    bases = np.asarray(region_bases, dtype=np.uint64)
+    order = np.argsort(bases)
+    slot = np.searchsorted(bases[order], descs[:, 0], side="right") - 1
+    region: IntArray = order[slot].astype(np.int64)
+    return region, (descs[:, 0] - bases[region]).astype(np.int64)
+
+
+def count_merged(local_descs: DescArray, remote_descs: DescArray,
+                 local_regions: IntArray, remote_regions: IntArray) -> int:
+    """Descriptors NIXL posts after merging, for one transfer given in posting order.
+
+    NIXL joins a descriptor pair with the next one only when both sides continue
+    exactly (same device, next byte) and both stay inside one registered region:
+    kvlink registers every layer's tensor on its own, so two layers packed back to
+    back never merge. `local_regions[i]` / `remote_regions[i]` name the registered
+    region descriptor i lies in on each side (see `locate`).
     """
     if local_descs.shape != remote_descs.shape:
         raise ValueError(f"descriptor arrays differ in shape: {local_descs.shape} vs {remote_descs.shape}")
+    if local_regions.shape != (len(local_descs),) or remote_regions.shape != (len(remote_descs),):
+        raise ValueError(f"expected one region index per descriptor ({len(local_descs)}); got "
+                         f"{local_regions.shape} local and {remote_regions.shape} remote")
     if len(local_descs) == 0:
         return 0
 
-    def continues(descs: DescArray) -> npt.NDArray[np.bool_]:
+    def continues(descs: DescArray, regions: IntArray) -> npt.NDArray[np.bool_]:
         joined: npt.NDArray[np.bool_] = (descs[:-1, 0] + descs[:-1, 1] == descs[1:, 0]) & (
-            descs[:-1, 2] == descs[1:, 2])
+            descs[:-1, 2] == descs[1:, 2]) & (regions[:-1] == regions[1:])
         return joined
 
-    joins = continues(local_descs) & continues(remote_descs)
+    joins = continues(local_descs, local_regions) & continues(remote_descs, remote_regions)
     return int(len(local_descs) - np.count_nonzero(joins))

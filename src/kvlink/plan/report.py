@@ -10,7 +10,7 @@ import numpy as np
 from kvlink.layout.geometry import Region, WorkerGeometry, build_worker_geometry, packed_base_addrs
 from kvlink.layout.spec import ModelSpec, is_ssm
 from kvlink.plan.compat import check_configuration
-from kvlink.plan.descriptors import DescArray, count_merged
+from kvlink.plan.descriptors import DescArray, IntArray, count_merged, locate
 from kvlink.plan.tp_mapping import consumers_per_producer
 from kvlink.plan.transfer_plan import build_transfer_plan
 
@@ -56,12 +56,9 @@ def region_info(region: Region) -> dict[str, Any]:
             "page_len": region.page_len, "page_stride": region.page_stride, "num_pages": region.num_pages}
 
 
-def _locate(worker: WorkerGeometry, descs: DescArray) -> tuple[np.ndarray, np.ndarray]:
-    bases = np.array([r.base for r in worker.regions], dtype=np.uint64)
-    order = np.argsort(bases)
-    slot = np.searchsorted(bases[order], descs[:, 0], side="right") - 1
-    region = order[slot]
-    return region, (descs[:, 0] - bases[region]).astype(np.int64)
+def _locate(worker: WorkerGeometry, descs: DescArray) -> tuple[IntArray, IntArray]:
+    """Region (= NIXL registration: one per layer tensor) and offset of each descriptor."""
+    return locate(descs, [r.base for r in worker.regions])
 
 
 def plan_report(model: ModelSpec, p: EngineConfig, d: EngineConfig, prompt_tokens: int,
@@ -88,11 +85,14 @@ def plan_report(model: ModelSpec, p: EngineConfig, d: EngineConfig, prompt_token
         for spec in specs:
             source = plan.source(spec.src_rank)
             local, remote = source.local_descs[spec.local_idx], source.remote_descs[spec.remote_idx]
+            dst_region, dst_offset = _locate(reader, local)
+            src_region, src_offset = _locate(p_workers[spec.src_rank], remote)
             entry["descriptors"] += len(local)
-            entry["merged_descriptors"] += count_merged(local, remote)
+            entry["merged_descriptors"] += count_merged(local, remote, dst_region, src_region)
             entry["bytes"] += spec.nbytes
             if with_transfers:
-                entry["transfers"] += _transfers(spec.src_rank, p_workers[spec.src_rank], reader, local, remote)
+                entry["transfers"] += _transfers(spec.src_rank, (src_region, src_offset),
+                                                 (dst_region, dst_offset), local[:, 1])
         ranks.append(entry)
     return {
         "model": model.name, "dtype": model.dtype,
@@ -115,12 +115,10 @@ def _engine_info(config: EngineConfig, workers: list[WorkerGeometry]) -> dict[st
     }
 
 
-def _transfers(src_rank: int, source: WorkerGeometry, reader: WorkerGeometry,
-               local: DescArray, remote: DescArray) -> list[dict[str, int]]:
-    dst_region, dst_offset = _locate(reader, local)
-    src_region, src_offset = _locate(source, remote)
+def _transfers(src_rank: int, src: tuple[IntArray, IntArray], dst: tuple[IntArray, IntArray],
+               lengths: DescArray) -> list[dict[str, int]]:
     return [
         {"src_rank": src_rank, "src_region": int(sr), "src_offset": int(so),
          "dst_region": int(dr), "dst_offset": int(do), "length": int(n)}
-        for sr, so, dr, do, n in zip(src_region, src_offset, dst_region, dst_offset, local[:, 1], strict=True)
+        for sr, so, dr, do, n in zip(*src, *dst, lengths, strict=True)
     ]
