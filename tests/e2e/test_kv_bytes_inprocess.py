@@ -159,7 +159,7 @@ def test_d_prefix_hit_gets_p_state(pair: tuple[LLMEngine, LLMEngine], model: Any
     shared = torch.randint(100, 40000, (2 * BLOCK,), generator=generator).tolist()
     prompt = shared + torch.randint(100, 40000, (tail,), generator=generator).tolist()
     outputs: dict[str, list[RequestOutput]] = {}
-    d.add_request("warm", shared + [7, 8, 9], SamplingParams(max_tokens=1))  # cached on D
+    d.add_request("warm", [*shared, 7, 8, 9], SamplingParams(max_tokens=1))  # cached on D
     run_until([d], lambda: "warm" not in d.requests, outputs)
     p.add_request("p1", prompt, SamplingParams(max_tokens=1), {"do_remote_decode": True})
     run_until([p], lambda: "p1" in outputs, outputs)
