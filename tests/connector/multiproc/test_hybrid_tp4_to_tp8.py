@@ -51,3 +51,18 @@ def test_d_hit_gets_the_state_from_one_p_rank_per_d_rank(
     assert [len(r) for r in reads] == [1] * 8, "each D rank reads from exactly one P rank"
     p.peers[0].wait_until(lambda: p.sent([rid]), 5.0, what="every P rank frees")
     assert all(not s["lease_ids"] for s in p.call("state"))
+
+
+def test_push_mode_full_hit_writes_the_state(engines: dict[str, Engine]) -> None:
+    """transfer_mode "push": each P rank WRITEs the state parts its D ranks read from it."""
+    p, d = engines["HP4"], engines["HD8"]
+    prompt, computed, rid, seed = 33, 32, "h48-push", 99
+    p_ids, table = [[20, 21, 22], [12]], [[8, 9, 10], [6]]
+    d.call("snapshot")
+    params = p.prefill(rid, seed, prompt, p_ids, transfer_mode="push")
+    d.decode(f"d-{rid}", params, prompt, table, computed=computed)
+    d.wait_settled([f"d-{rid}"])
+    assert not d.failed([f"d-{rid}"])
+    d.verify([{"rid": rid, "seed": seed, "tokens": prompt - 1, "computed": computed,
+               "block_ids": [table[0][2:], table[1]]}])
+    p.peers[0].wait_until(lambda: p.sent([rid]), 5.0, what="every P rank frees after its WRITEs")
