@@ -8,6 +8,7 @@ from kvlink.connector.api import RequestView, WorkerOutput
 from kvlink.connector.config import ConnectorConfig
 from kvlink.connector.params import InvalidTransferParams
 from kvlink.connector.scheduler import NixlScheduler
+from kvlink.layout.presets import TINY_HYBRID
 
 
 class Clock:
@@ -73,6 +74,28 @@ def test_full_local_hit_only_notifies() -> None:
     step = s.build_step_metadata()
     assert not step.loads and [n["remote_request_id"] for n in step.notify_only] == ["p-1"]
     assert not s.has_pending_work()
+
+
+def test_full_local_hit_of_a_hybrid_model_still_loads_the_state() -> None:
+    s = NixlScheduler(ConnectorConfig("D"), tp_size=1, model=TINY_HYBRID)
+    req = RequestView("d1", list(range(17)), p_params())
+    s.on_new_request(req)
+    assert s.get_num_new_matched_tokens(req, 16) == (0, True)
+    s.update_state_after_alloc(req, [[9, 8], [3]], 0, 16)
+    step = s.build_step_metadata()
+    (load,) = step.loads
+    assert not step.notify_only
+    assert load["local_computed_tokens"] == load["num_tokens"] == 16
+    assert load["local_block_ids"] == [[9, 8], [3]]
+
+
+def test_one_token_prompt_of_a_hybrid_model_only_notifies() -> None:
+    """No token precedes it: D starts from the zero state, so nothing moves."""
+    s = NixlScheduler(ConnectorConfig("D"), tp_size=1, model=TINY_HYBRID)
+    req = RequestView("d1", [7], p_params())
+    s.on_new_request(req)
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert [n["remote_request_id"] for n in s.build_step_metadata().notify_only] == ["p-1"]
 
 
 def test_abort_before_allocation_notifies_prefill() -> None:

@@ -9,6 +9,7 @@ logical -> kernel block mapping, not through equal tensor shapes.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -40,7 +41,7 @@ def model(request: pytest.FixtureRequest) -> Any:
 
 def connected_engine(name: str, model: Any, kernel: int) -> tuple[LLMEngine, NixlWorker]:
     config = ConnectorConfig(name, side_channel_port=0, stall_timeout_s=10.0)
-    scheduler = NixlScheduler(config, tp_size=1)
+    scheduler = NixlScheduler(config, tp_size=1, model=model.spec)
     worker = NixlWorker(config, model.spec, 1, 0, BLOCK, kernel, NUM_BLOCKS)
     engine = LLMEngine(model, NUM_BLOCKS, BLOCK, kernel, scheduler, worker)
     # The side channel got an ephemeral port at registration; P advertises that one.
@@ -142,6 +143,62 @@ def test_d_pages_equal_p_pages_bit_for_bit(pair: tuple[LLMEngine, LLMEngine], mo
     reference: dict[str, list[RequestOutput]] = {}
     run_until([plain], lambda: not plain.has_unfinished(), reference)
     assert tokens == [t for out in reference["c1"] for t in out.new_token_ids]
+    for engine in (p, d):
+        engine.check_integrity()
+        assert engine.stats()["free_blocks"] == [NUM_BLOCKS] * len(engine.pools)
+        assert engine.stats()["connector"]["leases"] == 0
+
+
+@pytest.mark.parametrize("tail", [20, 1], ids=["partial-hit", "full-hit"])
+def test_d_prefix_hit_gets_p_state(pair: tuple[LLMEngine, LLMEngine], model: Any, tail: int) -> None:
+    """D caches a prompt's first 2 blocks; a request sharing them moves only the rest of its
+    KV (nothing with tail=1: every shipped token is cached) and, for a hybrid model, P's SSM
+    state after N-1 tokens into a fresh block. D's answer equals a plain engine's."""
+    p, d = pair
+    generator = torch.Generator().manual_seed(4)
+    shared = torch.randint(100, 40000, (2 * BLOCK,), generator=generator).tolist()
+    prompt = shared + torch.randint(100, 40000, (tail,), generator=generator).tolist()
+    outputs: dict[str, list[RequestOutput]] = {}
+    d.add_request("warm", [*shared, 7, 8, 9], SamplingParams(max_tokens=1))  # cached on D
+    run_until([d], lambda: "warm" not in d.requests, outputs)
+    p.add_request("p1", prompt, SamplingParams(max_tokens=1), {"do_remote_decode": True})
+    run_until([p], lambda: "p1" in outputs, outputs)
+    p_tables = [list(ids) for ids in p.held["p1"]]
+    want_ssm = ssm_pages(p, p_tables)
+    n = len(prompt) - 1
+
+    d.add_request("d1", prompt, SamplingParams(max_tokens=6), outputs["p1"][-1].kv_transfer_params)
+    stateful = bool(want_ssm)
+
+    def loaded() -> bool:
+        request = d.requests["d1"]
+        return request.status is RequestStatus.WAITING and request.num_computed_tokens == n
+
+    if stateful:  # look at the state before D's forward overwrites it with token N's
+        run_until([d, p], loaded, outputs)
+        request = d.requests["d1"]
+        assert request.num_local_prefix_tokens == 2 * BLOCK
+        got_ssm = ssm_pages(d, [list(ids) for ids in request.block_tables])
+        for layer, page in want_ssm.items():
+            assert torch.equal(got_ssm[layer], page), f"layer {layer}: SSM state bytes differ"
+    run_until([d, p], lambda: not d.has_unfinished() and not p.has_unfinished(), outputs)
+    moved = outputs["d1"][0].kv_bytes
+    kv_per_token = model.spec.dtype_bytes * sum(s.shape[1] * s.shape[3] for s in kv_tensor_specs(
+        model.spec, 1, BLOCK, D_KERNEL, NUM_BLOCKS) if s.kind == "attention")
+    state_bytes = sum(page.numel() for page in want_ssm.values())
+    chunk = math.gcd(P_KERNEL, D_KERNEL)  # attention moves whole token chunks
+    tail_tokens = -(-(n - 2 * BLOCK) // chunk) * chunk
+    if stateful or tail > 1:
+        assert moved == tail_tokens * kv_per_token + state_bytes, "only the tail and the state move"
+    else:
+        assert moved is None, "nothing to move"
+
+    plain = LLMEngine(model, NUM_BLOCKS, BLOCK, P_KERNEL)
+    plain.add_request("c1", prompt, SamplingParams(max_tokens=6))
+    reference: dict[str, list[RequestOutput]] = {}
+    run_until([plain], lambda: not plain.has_unfinished(), reference)
+    assert [t for out in outputs["d1"] for t in out.new_token_ids] == [
+        t for out in reference["c1"] for t in out.new_token_ids]
     for engine in (p, d):
         engine.check_integrity()
         assert engine.stats()["free_blocks"] == [NUM_BLOCKS] * len(engine.pools)

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from kvlink.layout.geometry import build_worker_geometry, packed_base_addrs
+from kvlink.layout.presets import TINY_HYBRID
 from kvlink.layout.spec import GDN, MLA, FullAttention, GroupSpec, Mamba2, ModelSpec, SlidingWindow
 from kvlink.plan.compat import IncompatibleLayout, check_configuration
 from kvlink.plan.tp_mapping import compute_tp_mapping, consumers_per_producer
@@ -88,7 +89,9 @@ def _tokens(model: ModelSpec, start_of: list[int], end: int) -> list[np.ndarray]
     return [np.arange(start_of[g], end, dtype=np.int64) for g in range(len(model.groups))]
 
 
-def run_scenario(model: ModelSpec, p: Side, d: Side, shipped: int, prefix_blocks: int, seed: int) -> None:
+def run_scenario(model: ModelSpec, p: Side, d: Side, shipped: int, prefix_blocks: int,
+                 seed: int) -> list[list[int]]:
+    """Simulate every D rank; returns, per D rank, the P ranks it read bytes from."""
     rng = np.random.default_rng(seed)
     prompt = shipped + 1
     computed = prefix_blocks * d.block_size
@@ -114,6 +117,8 @@ def run_scenario(model: ModelSpec, p: Side, d: Side, shipped: int, prefix_blocks
         max(computed, shipped - g.window) if isinstance(g, SlidingWindow) else computed for g in model.groups
     ]
     notified = [0] * p.tp
+    read_from: list[list[int]] = []
+    has_state = any(sim.group_is_ssm(model, g) for g in range(len(model.groups)))
     for rank in range(d.tp):
         reader = sim.make_worker(model, d.tp, rank, d.block_size, d.kernel_block_size, d_num_blocks, 1, rng)
         before = reader.data.copy()
@@ -124,9 +129,10 @@ def run_scenario(model: ModelSpec, p: Side, d: Side, shipped: int, prefix_blocks
         assert reader.writes.max(initial=0) <= 1, "a destination byte was written twice"
         outside = ~sim.destination_mask(reader, d_ids)
         assert np.array_equal(reader.data[outside], before[outside]), "bytes outside the destination changed"
-        if shipped <= computed:
+        read_from.append([s.src_rank for s in specs if len(s.local_idx)])
+        if shipped == 0 or (shipped <= computed and not has_state):
             assert not reader.writes.any()
-        else:
+        else:  # a hybrid model gets P's state after `shipped` tokens even with a full D hit
             tokens = _tokens(model, must_start, shipped)
             got = sim.load(reader, d_ids, tokens, computed)
             want = sim.expected_for(reader, logical, tokens)
@@ -138,6 +144,7 @@ def run_scenario(model: ModelSpec, p: Side, d: Side, shipped: int, prefix_blocks
             notified[src] += 1
     assert tuple(notified) == consumers_per_producer(model, p.tp, d.tp)
     assert min(notified) >= 1, "a P rank would never free its blocks"
+    return read_from
 
 
 def _valid(model: ModelSpec, p: Side, d: Side) -> bool:
@@ -196,6 +203,7 @@ def test_hand_picked_scenarios() -> None:
     run_scenario(hybrid, Side(8, 32, 8), Side(1, 16, 16), 77, 4, 4)    # P replicates KV heads and SSM
     run_scenario(hybrid, Side(1, 16, 16), Side(8, 32, 16), 64, 0, 5)   # D replicates KV heads
     run_scenario(full8, Side(1, 16, 16), Side(1, 16, 16), 48, 3, 6)    # full prefix hit: nothing moves
+    run_scenario(hybrid, Side(1, 16, 16), Side(1, 16, 16), 48, 3, 6)   # full prefix hit: the state moves
     twelve = ModelSpec("t", 12, 4, "bfloat16", (FullAttention(), Mamba2(12, 2, 12, 2, 4)), (0, 1, 0))
     run_scenario(twelve, Side(3, 16, 8), Side(4, 32, 32), 90, 1, 7)    # TP sizes that do not divide
     run_scenario(twelve, Side(6, 16, 16), Side(4, 48, 16), 120, 2, 9)  # ... and a 48-token block
@@ -206,3 +214,24 @@ def test_mapping_consistent_with_simulated_notifications() -> None:
     ranks = [compute_tp_mapping(model, 2, d, 4) for d in range(2)]
     assert [m.source_ranks for m in ranks] == [(0,), (2,)]
     assert [m.notify_only_ranks for m in ranks] == [(1,), (3,)]
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (1, 2), (2, 1), (4, 8), (8, 4)])
+@pytest.mark.parametrize("prefix_blocks", [0, 1, 2])
+def test_hybrid_state_arrives_with_partial_and_full_d_hits(p_tp: int, d_tp: int, prefix_blocks: int) -> None:
+    """32 tokens shipped, D holds 0, 16 or all 32 of them: every D rank still gets P's state
+    (run_scenario checks the bytes), so it reads from each of its source ranks."""
+    side = Side(p_tp, 16, 16), Side(d_tp, 16, 16)
+    read_from = run_scenario(TINY_HYBRID, *side, 32, prefix_blocks, 11)
+    assert read_from == [list(compute_tp_mapping(TINY_HYBRID, d_tp, d, p_tp).source_ranks)
+                         for d in range(d_tp)]
+
+
+def test_hybrid_tp_4_8_reads_each_d_rank_from_one_p_rank() -> None:
+    # D ranks 1, 2, 5, 6 used to read the replicated B/C conv groups from a second P rank
+    assert run_scenario(TINY_HYBRID, Side(4, 16, 16), Side(8, 16, 16), 40, 0, 12) == [
+        [0], [0], [1], [1], [2], [2], [3], [3]]
+    assert consumers_per_producer(TINY_HYBRID, 4, 8) == (2, 2, 2, 2)
+    assert run_scenario(TINY_HYBRID, Side(8, 16, 16), Side(4, 16, 16), 40, 0, 13) == [
+        [0, 1], [2, 3], [4, 5], [6, 7]]
+    assert consumers_per_producer(TINY_HYBRID, 8, 4) == (1,) * 8

@@ -74,3 +74,17 @@ def test_tiny_hybrid_every_producer_has_a_consumer() -> None:
         for d_tp in (1, 2):
             counts = consumers_per_producer(TINY_HYBRID, p_tp, d_tp)
             assert len(counts) == p_tp and min(counts) >= 1
+
+
+def test_replicated_parts_come_from_a_rank_already_read() -> None:
+    # tiny hybrid P=4 -> D=8: D rank 1 reads head 0 and SSM head 1 from P0; the B/C conv
+    # group 0 is on P0 and P1, so it comes from P0 too, not from a second P rank
+    maps = [compute_tp_mapping(TINY_HYBRID, 8, d, 4) for d in range(8)]
+    assert [m.source_ranks for m in maps] == [(p,) for p in (0, 0, 1, 1, 2, 2, 3, 3)]
+    assert maps[1].runs["g1.conv_B"] == (UnitRun(0, 0, 0, 1),)
+    assert consumers_per_producer(TINY_HYBRID, 4, 8) == (2, 2, 2, 2)
+    # P=8 -> D=4: D rank 1 holds SSM heads 2, 3 (P2, P3); kv head 1 and B/C group 0 follow
+    back = [compute_tp_mapping(TINY_HYBRID, 4, d, 8) for d in range(4)]
+    assert [m.source_ranks for m in back] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert back[1].runs["g1.conv_B"] == (UnitRun(2, 0, 0, 1),)
+    assert consumers_per_producer(TINY_HYBRID, 8, 4) == (1,) * 8

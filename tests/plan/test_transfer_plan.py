@@ -79,11 +79,14 @@ def test_hybrid_ships_only_the_state_block() -> None:
     assert ((ssm_ids - first_ssm) % 20 == 6).all()
 
 
-def test_nothing_to_ship_after_a_full_prefix_hit() -> None:
+def test_only_the_state_moves_after_a_full_prefix_hit() -> None:
     d = worker(TINY_HYBRID, 1, 0, 16, 16, 20, 1)
     plan = build_transfer_plan(d, engine(TINY_HYBRID, 1, 16, 16, 20))
-    (spec,) = plan.request_ids([[], []], [[0, 1], [5]], num_tokens_to_ship=16, local_computed_tokens=16)
-    assert spec.local_idx.size == spec.remote_idx.size == spec.nbytes == 0
+    (spec,) = plan.request_ids([[], [3]], [[0, 1], [5]], num_tokens_to_ship=16, local_computed_tokens=16)
+    assert spec.nbytes == sum(r.page_len for r in d.ssm_regions)
+    assert spec.local_blocks[0].size == 0 and spec.local_blocks[1].tolist() == [3]
+    (none,) = plan.request_ids([[], [3]], [[0], [5]], num_tokens_to_ship=0)
+    assert none.local_idx.size == none.remote_idx.size == none.nbytes == 0
 
 
 def test_push_mode_plans_one_source() -> None:

@@ -28,7 +28,12 @@ if __name__ == "__main__":  # run as a peer process: make the sibling modules im
 import kvmem
 import sim
 
-from kvlink.bench.transfer_peer import PeerServer, configure_logging, protocol_stream
+from kvlink.bench.transfer_peer import (
+    PeerServer,
+    configure_logging,
+    model_from_config,
+    protocol_stream,
+)
 from kvlink.bench.transfer_proc import PeerProcess, free_port_base, peer_env, python_argv, stop_all
 from kvlink.connector.api import RequestView, WorkerOutput
 from kvlink.connector.config import ConnectorConfig
@@ -134,7 +139,7 @@ class Engine:
             raise
         self.sched = NixlScheduler(ConnectorConfig(
             engine_id, side_channel_port=self.port, lease_s=float(cfg.get("lease_s", 30.0)),
-            transfer_mode=cfg.get("transfer_mode", "pull")), tp)
+            transfer_mode=cfg.get("transfer_mode", "pull")), tp, model=model_from_config(self.cfg))
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
         for peer in self.peers:
@@ -180,7 +185,7 @@ class Engine:
         req = RequestView(rid, list(range(prompt_len)), params)
         self.sched.on_new_request(req)
         count, is_async = self.sched.get_num_new_matched_tokens(req, computed)
-        if count:
+        if count or is_async:  # a hybrid model's full hit loads the SSM state alone: (0, True)
             assert is_async
             self.sched.update_state_after_alloc(req, tables, count, computed)
         meta = dataclasses.asdict(self.sched.build_step_metadata())

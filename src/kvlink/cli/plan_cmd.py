@@ -79,7 +79,7 @@ def render(report: dict[str, Any]) -> str:
     request = report["request"]
     lines = [f"model {report['model']} ({report['dtype']})"]
     lines += _engine_lines("P", report["p"]) + _engine_lines("D", report["d"])
-    state = " plus SSM state" if report["p"]["ssm_state_bytes_per_rank"] else ""
+    state = " plus SSM state" if report["p"]["ssm_state_bytes_per_rank"] and request["tokens_shipped"] else ""
     lines.append(
         f"request: {request['prompt_tokens']}-token prompt, ships tokens "
         f"[{request['d_computed_tokens']}, {request['tokens_shipped']}){state}; "

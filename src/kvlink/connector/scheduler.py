@@ -23,6 +23,7 @@ from kvlink.connector.params import (
     wants_remote_decode,
     wants_remote_prefill,
 )
+from kvlink.layout.spec import ModelSpec, is_ssm
 from kvlink.transfer.framing import resolve_secret
 
 
@@ -33,13 +34,17 @@ class _RemoteRequest:
 
 
 class NixlScheduler(ConnectorScheduler):
-    """One per engine. `tp_size` is this engine's TP size (advertised to the peer)."""
+    """One per engine. `tp_size` is this engine's TP size (advertised to the peer); `model`
+    tells whether requests carry SSM state (None: a model without it)."""
 
     def __init__(
         self, config: ConnectorConfig, tp_size: int, clock: Callable[[], float] = time.monotonic,
+        *, model: ModelSpec | None = None,
     ) -> None:
         self.config = config
         self.tp_size = tp_size
+        # D's prefix hits never hold P's SSM state after N-1 tokens: it always moves.
+        self.state_always_moves = model is not None and any(is_ssm(g) for g in model.groups)
         self.load_failure_policy = config.load_failure_policy
         self._clock = clock
         self._remote: dict[str, _RemoteRequest] = {}
@@ -65,13 +70,14 @@ class NixlScheduler(ConnectorScheduler):
         remote = self._remote.get(request.request_id)
         if remote is None or remote.loaded:
             return 0, False
-        missing = len(request.prompt_token_ids) - 1 - num_computed_tokens
-        if missing <= 0:
+        shipped = len(request.prompt_token_ids) - 1
+        missing = shipped - num_computed_tokens
+        if missing <= 0 and not (self.state_always_moves and shipped > 0):
             # D already holds every token P could send: only tell P to free.
             self._step.notify_only.append(self._entry(request.request_id, remote.params))
             del self._remote[request.request_id]
             return 0, False
-        return missing, True
+        return max(0, missing), True
 
     def update_state_after_alloc(
         self, request: RequestView, block_ids: Sequence[Sequence[int]], num_external_tokens: int,

@@ -3,6 +3,10 @@
 Each group has its own pool. Attention groups need `ceil(tokens / block_size)` blocks;
 an SSM group needs one block per request (its state page), never prefix-cached.
 A waiting request whose remote KV is loading is parked with its blocks held.
+
+Prefix hits of a hybrid model: cached attention blocks do not restore the SSM state
+after them, so a hybrid request uses its attention hits only when a remote load brings
+the state (P's state after N-1 tokens, into the request's fresh SSM block).
 """
 
 from __future__ import annotations
@@ -38,8 +42,8 @@ class Scheduler:
     ) -> None:
         self.pools, self.ssm_groups, self.connector = pools, ssm_groups, connector
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        # Local prefix hits cannot restore an SSM state, so hybrid models never use them.
-        self.local_prefix_caching = not any(ssm_groups)
+        self.has_state = any(ssm_groups)
+        self.attention_groups = [g for g, ssm in enumerate(ssm_groups) if not ssm]
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.parked: dict[str, Request] = {}
@@ -80,11 +84,9 @@ class Scheduler:
 
     def _admit(self, request: Request, out: SchedulerOutput) -> bool:
         """Allocate blocks (and ask the connector for remote KV); False when it must wait."""
+        no_hits: list[list[int]] = [[] for _ in self.pools]
         hits = self._prefix_hits(request)
-        missing = [
-            1 if ssm else pool.blocks_for(request.num_tokens) - len(hits[g])
-            for g, (pool, ssm) in enumerate(zip(self.pools, self.ssm_groups, strict=True))
-        ]
+        missing = self._missing(request, hits)
         if any(m > pool.num_blocks for m, pool in zip(missing, self.pools, strict=True)):
             request.error = (
                 f"request {request.request_id!r} needs {missing} blocks per group but the pools hold "
@@ -92,32 +94,51 @@ class Scheduler:
             )
             out.rejected.append(request)
             return True
-        if not all(p.can_allocate(m, h) for p, m, h in zip(self.pools, missing, hits, strict=True)):
+        # Hybrid hits hold only if a remote load brings the state; the connector says so only
+        # once, so there must be room for the request without them too.
+        needs_state = self.has_state and any(hits)
+        if not self._can_allocate(missing, hits) or (
+                needs_state and not self._can_allocate(self._missing(request, no_hits), no_hits)):
             return False
-        num_local = len(hits[0]) * self.pools[0].block_size if hits else 0
+        num_local = max(len(h) for h in hits) * self.pools[0].block_size
         count, is_async = 0, False
         if self.connector is not None and not request.remote_kv_considered:
             request.remote_kv_considered = True
             count, is_async = self.connector.get_num_new_matched_tokens(request.view(), num_local)
+        if needs_state and not (count > 0 or is_async):
+            hits, num_local = no_hits, 0
+            missing = self._missing(request, hits)
         request.block_tables = [
             p.allocate(m, h) for p, m, h in zip(self.pools, missing, hits, strict=True)
         ]
         request.num_local_prefix_tokens = request.num_computed_tokens = num_local
         if self.connector is not None:
             self.connector.update_state_after_alloc(request.view(), request.block_tables, count, num_local)
-        if count > 0 and is_async:
+        if is_async:  # also with count 0: a hybrid request's full hit still loads P's state
             request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         elif count > 0:  # loaded synchronously by the worker before this step's forward
             request.num_computed_tokens = len(request.prompt_token_ids) - 1
         return True
 
+    def _missing(self, request: Request, hits: list[list[int]]) -> list[int]:
+        return [
+            1 if ssm else pool.blocks_for(request.num_tokens) - len(hits[g])
+            for g, (pool, ssm) in enumerate(zip(self.pools, self.ssm_groups, strict=True))
+        ]
+
+    def _can_allocate(self, missing: list[int], hits: list[list[int]]) -> bool:
+        return all(p.can_allocate(m, h) for p, m, h in zip(self.pools, missing, hits, strict=True))
+
     def _prefix_hits(self, request: Request) -> list[list[int]]:
-        if not self.local_prefix_caching:
+        """Leading cached blocks per group (the SSM groups' lists stay empty)."""
+        may_load_state = self.connector is not None and not request.remote_kv_considered
+        if not self.attention_groups or (self.has_state and not may_load_state):
             return [[] for _ in self.pools]
-        hits = [pool.match_prefix(request.all_token_ids) for pool in self.pools]
+        hits = [[] if ssm else pool.match_prefix(request.all_token_ids)
+                for pool, ssm in zip(self.pools, self.ssm_groups, strict=True)]
         # Leave at least one token to compute: its logits are what the step samples from.
         usable = max(0, request.num_tokens_to_compute - 1) // self.pools[0].block_size
-        common = min(usable, *(len(h) for h in hits))
+        common = min(usable, *(len(hits[g]) for g in self.attention_groups))
         return [h[:common] for h in hits]
 
     def _make_room(self, request: Request, out: SchedulerOutput) -> bool:

@@ -78,7 +78,7 @@ def plan_report(model: ModelSpec, p: EngineConfig, d: EngineConfig, prompt_token
         plan = build_transfer_plan(reader, dict(enumerate(p_workers)))
         specs = plan.request_ids(d_ids, p_ids, shipped, d_computed_tokens)
         entry: dict[str, Any] = {
-            "rank": reader.tp_rank, "source_ranks": list(plan.mapping.source_ranks),
+            "rank": reader.tp_rank, "source_ranks": [s.src_rank for s in specs if len(s.local_idx)],
             "notify_ranks": list(plan.mapping.notify_ranks), "chunk_tokens": plan.chunk_tokens,
             "descriptors": 0, "merged_descriptors": 0, "bytes": 0, "transfers": [],
         }

@@ -121,7 +121,9 @@ def request_ids(
     `local_block_ids[g]`: the reader's logical blocks of group g from token
     `local_computed_tokens` on (its newly allocated tail). `remote_block_ids[g]`: the
     source's full logical list from token 0. `num_tokens_to_ship` = prompt length - 1.
-    SSM groups move only the state in the last block of each list.
+    SSM groups move only the state in the last block of each list, and move it whenever
+    `num_tokens_to_ship > 0`, even when D's prefix hit covers every token: D's cached
+    attention blocks do not give it the state after those tokens.
     """
     model = plan.local.model
     num_groups = len(model.groups)
@@ -139,7 +141,7 @@ def request_ids(
     state_blocks: dict[int, tuple[int, int]] = {}
     for g, group in enumerate(model.groups):
         if is_ssm(group):
-            if num_tokens_to_ship > local_computed_tokens:
+            if num_tokens_to_ship > 0:
                 state_blocks[g] = _state_blocks(plan, g, local_ids[g], remote_ids[g])
             continue
         start = first_token_to_ship(plan, g, num_tokens_to_ship, local_computed_tokens)

@@ -42,37 +42,59 @@ def model_parts(model: ModelSpec) -> dict[str, ShardedPart]:
     return parts
 
 
-def _supplier(
-    part: ShardedPart, unit: int, local_tp: int, local_rank: int, remote_tp: int,
-) -> tuple[int, int]:
-    """(source rank, slot on it) for global `unit`.
+def _holders(part: ShardedPart, unit: int, local_tp: int, local_rank: int,
+             remote_tp: int) -> tuple[tuple[int, int], ...]:
+    """Every (source rank, slot on it) that holds global `unit`, the spread choice first.
 
     When the source replicates the unit, the readers that share the unit take its
     replicas in turn, so equal TP sizes map rank to rank and reads spread out.
     """
+    if part.replicated:
+        first = local_rank * remote_tp // local_tp
+        return tuple(((first + i) % remote_tp, unit) for i in range(remote_tp))
     if remote_tp <= part.units:
         per_rank = part.units // remote_tp
-        return unit // per_rank, unit % per_rank
+        return ((unit // per_rank, unit % per_rank),)
     replicas = remote_tp // part.units
     readers_sharing_unit = max(1, local_tp // part.units)
-    return unit * replicas + (local_rank % readers_sharing_unit) % replicas, 0
+    first = (local_rank % readers_sharing_unit) % replicas
+    return tuple((unit * replicas + (first + i) % replicas, 0) for i in range(replicas))
 
 
-def map_part(part: ShardedPart, local_tp: int, local_rank: int, remote_tp: int) -> tuple[UnitRun, ...]:
-    """The runs that fill every unit slot of `part` on reader rank `local_rank`."""
-    if part.replicated:
-        reader = local_rank * remote_tp // local_tp
-        return (UnitRun(reader, 0, 0, part.units),)
+def map_part(part: ShardedPart, local_tp: int, local_rank: int, remote_tp: int,
+             reading: set[int] | None = None) -> tuple[UnitRun, ...]:
+    """The runs that fill every unit slot of `part` on reader rank `local_rank`.
+
+    A unit held by several source ranks is read from one in `reading` (ranks the reader
+    already reads from) when one holds it, so no source rank is read, and no notification
+    awaited, for a part it could have shared; ranks chosen are added to `reading`.
+    """
+    reading = set() if reading is None else reading
     first = part.first_unit(local_rank, local_tp)
     runs: list[UnitRun] = []
     for slot in range(part.units_on_rank(local_tp)):
-        src, remote_slot = _supplier(part, first + slot, local_tp, local_rank, remote_tp)
+        holders = _holders(part, first + slot, local_tp, local_rank, remote_tp)
+        src, remote_slot = next((h for h in holders if h[0] in reading), holders[0])
+        reading.add(src)
         prev = runs[-1] if runs else None
         if prev and prev.src_rank == src and prev.remote_slot + prev.count == remote_slot:
             runs[-1] = UnitRun(src, prev.local_slot, prev.remote_slot, prev.count + 1)
         else:
             runs.append(UnitRun(src, slot, remote_slot, 1))
     return tuple(runs)
+
+
+@cache
+def _reader_runs(model: ModelSpec, local_tp: int, local_rank: int,
+                 remote_tp: int) -> dict[str, tuple[UnitRun, ...]]:
+    """Runs of every part for one reader: parts with a single holder per unit first, so the
+    parts that source ranks replicate can be read from ranks already being read."""
+    parts = model_parts(model)
+    single = [k for k, p in parts.items() if not p.replicated and remote_tp <= p.units]
+    shared = [k for k in parts if k not in single]
+    reading: set[int] = set()
+    mapped = {k: map_part(parts[k], local_tp, local_rank, remote_tp, reading) for k in single + shared}
+    return {k: mapped[k] for k in parts}
 
 
 @dataclass(frozen=True)
@@ -101,9 +123,9 @@ class TPMapping:
 
 @cache
 def _read_sources(model: ModelSpec, local_tp: int, remote_tp: int) -> tuple[frozenset[int], ...]:
-    parts = model_parts(model).values()
     return tuple(
-        frozenset(run.src_rank for part in parts for run in map_part(part, local_tp, rank, remote_tp))
+        frozenset(run.src_rank for runs in _reader_runs(model, local_tp, rank, remote_tp).values()
+                  for run in runs)
         for rank in range(local_tp)
     )
 
@@ -121,7 +143,7 @@ def compute_tp_mapping(model: ModelSpec, local_tp: int, local_rank: int, remote_
     """The mapping for reader `local_rank` of a `local_tp` engine against a `remote_tp` engine."""
     if not 0 <= local_rank < local_tp or remote_tp <= 0:
         raise ValueError(f"bad ranks: local rank {local_rank} of TP {local_tp}, remote TP {remote_tp}")
-    runs = {key: map_part(part, local_tp, local_rank, remote_tp) for key, part in model_parts(model).items()}
+    runs = dict(_reader_runs(model, local_tp, local_rank, remote_tp))
     return TPMapping(local_tp, local_rank, remote_tp, runs,
                      _notify_only(model, local_tp, local_rank, remote_tp))
 

@@ -89,7 +89,7 @@ def build_engine(args: argparse.Namespace, progress: Progress = print) -> Served
     exporter = PrometheusExporter()
     local_worker: NixlWorker | None = None
     if config is not None:
-        scheduler = NixlScheduler(config, tp_size=tp)
+        scheduler = NixlScheduler(config, tp_size=tp, model=model.spec)
         local_worker = NixlWorker(config, model.spec, tp, 0, args.block_size, kernel_block_size,
                                   args.num_blocks, AgentConfig(progress_thread=progress_thread))
         inner = TPConnectorWorker(local_worker, tp) if tp > 1 else local_worker
