@@ -30,19 +30,35 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text)
-        p.set_defaults(_module=module)
+        p.set_defaults(_module=module, _parser=p)
         importlib.import_module(module).add_arguments(p)
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     for name, (module, help_text) in BENCHES.items():
         p = bench_sub.add_parser(name, help=help_text)
-        p.set_defaults(_module=module)
+        p.set_defaults(_module=module, _parser=p)
         importlib.import_module(module).add_arguments(p)
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse and check a command line; exits 2 (argparse's usage error) on any bad value.
+
+    A command module may define `check_args(args)`, raising ValueError for values that are
+    each in range but wrong together (a prefix hit longer than the prompt, say).
+    """
     args = _build_parser().parse_args(argv)
+    check_args = getattr(importlib.import_module(args._module), "check_args", None)
+    if check_args is not None:
+        try:
+            check_args(args)
+        except ValueError as error:
+            args._parser.error(str(error))
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
     code: int = importlib.import_module(args._module).run(args)
     return code
 

@@ -23,6 +23,7 @@ from kvlink.connector.params import (
     wants_remote_decode,
     wants_remote_prefill,
 )
+from kvlink.layout.limits import TP, check
 from kvlink.transfer.framing import resolve_secret
 
 
@@ -39,7 +40,7 @@ class NixlScheduler(ConnectorScheduler):
         self, config: ConnectorConfig, tp_size: int, clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
-        self.tp_size = tp_size
+        self.tp_size = check("tp_size", tp_size, TP)
         self.load_failure_policy = config.load_failure_policy
         self._clock = clock
         self._remote: dict[str, _RemoteRequest] = {}
