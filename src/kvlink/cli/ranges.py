@@ -7,7 +7,7 @@ the constructor behind it would; argparse adds the option name to the message.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from dataclasses import dataclass
 
 from kvlink.layout.limits import Bound, range_problem
 
@@ -23,19 +23,25 @@ def _parse(text: str, bound: Bound) -> int | float:
     return value
 
 
-def ranged(bound: Bound) -> Callable[[str], int | float]:
+@dataclass(frozen=True)
+class ranged:  # lower case: used like a function, `type=ranged(TOKENS)`
     """`type=ranged(TOKENS)`: an int (or float) inside `bound`."""
-    def parse(text: str) -> int | float:
-        return _parse(text, bound)
-    return parse
+
+    bound: Bound
+
+    def __call__(self, text: str) -> int | float:
+        return _parse(text, self.bound)
 
 
-def ranged_list(bound: Bound) -> Callable[[str], list[int | float]]:
+@dataclass(frozen=True)
+class ranged_list:
     """`type=ranged_list(TOKENS)`: comma-separated values, each inside `bound`, at least one."""
-    def parse(text: str) -> list[int | float]:
-        values = [_parse(item.strip(), bound) for item in text.split(",") if item.strip()]
+
+    bound: Bound
+
+    def __call__(self, text: str) -> list[int | float]:
+        values = [_parse(item.strip(), self.bound) for item in text.split(",") if item.strip()]
         if not values:
-            raise argparse.ArgumentTypeError(f"expected comma-separated values, each {bound.describe()}; "
-                                             f"got {text!r}")
+            raise argparse.ArgumentTypeError(f"expected comma-separated values, each "
+                                             f"{self.bound.describe()}; got {text!r}")
         return values
-    return parse

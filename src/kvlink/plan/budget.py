@@ -49,12 +49,15 @@ def plan_bytes(local: WorkerGeometry, remotes: Mapping[int, WorkerGeometry]) -> 
     return DESCRIPTOR_BYTES * descriptor_count(local, remotes, mapping, sources, chunk)
 
 
-def check_plan_bytes(nbytes: int, what: str, limit: int = MAX_PLAN_BYTES) -> None:
+ADVICE = ("use fewer or larger blocks (num_blocks, block_size), or kernel block sizes that are "
+          "equal on P and D")
+
+
+def check_plan_bytes(nbytes: int, what: str, limit: int = MAX_PLAN_BYTES, advice: str = ADVICE) -> None:
     """ValueError with the computed size when `nbytes` exceeds `limit`."""
     if nbytes > limit:
         raise ValueError(
             f"{what} needs {nbytes / 2**20:.1f} MiB of descriptor lists ({nbytes // DESCRIPTOR_BYTES} "
             f"descriptors of {DESCRIPTOR_BYTES} bytes), more than the bound of {limit / 2**20:.0f} MiB; "
-            "use fewer or larger blocks (num_blocks, block_size), or kernel block sizes that are "
-            "equal on P and D"
+            f"{advice}"
         )

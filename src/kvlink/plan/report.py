@@ -88,7 +88,8 @@ def plan_report(model: ModelSpec, p: EngineConfig, d: EngineConfig, prompt_token
     d_workers = fake_engine(model, d, blocks_for(prompt_tokens, d.block_size), D_ADDRESS_SPACE)
     p_engine = dict(enumerate(p_workers))
     total_bytes = sum(plan_bytes(reader, p_engine) for reader in d_workers)
-    check_plan_bytes(total_bytes, f"planning all {d.tp} D ranks", REPORT_MAX_PLAN_BYTES)
+    check_plan_bytes(total_bytes, f"the plans of all {d.tp} D rank(s)", REPORT_MAX_PLAN_BYTES,
+                     "plan fewer tokens, larger blocks, or kernel block sizes equal on P and D")
     # A request posts each descriptor pair at most once: at most half the listed descriptors.
     most_listed = total_bytes // (2 * DESCRIPTOR_BYTES)
     if with_transfers and most_listed > MAX_LISTED_TRANSFERS:
