@@ -223,11 +223,11 @@ class ModelSpec:
                 groups.append(_GROUP_TYPES[kind](**fields))
             return cls(
                 name=str(data["name"]),
-                num_kv_heads=int(data["num_kv_heads"]),
-                head_dim=int(data["head_dim"]),
+                num_kv_heads=_wire_int(data, "num_kv_heads"),
+                head_dim=_wire_int(data, "head_dim"),
                 dtype=str(data["dtype"]),
                 groups=tuple(groups),
-                layer_groups=tuple(int(x) for x in data["layer_groups"]),
+                layer_groups=tuple(_wire_int({"layer_groups": x}, "layer_groups") for x in data["layer_groups"]),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed model spec: {exc!r}") from exc
@@ -238,6 +238,13 @@ class ModelSpec:
             return _cached_compat_hash(self)
         except TypeError:  # a spec built with lists instead of tuples is not hashable
             return _compat_hash(self)
+
+
+def _wire_int(data: dict[str, Any], key: str) -> int:
+    value = data[key]
+    if type(value) is not int:
+        raise ValueError(f"malformed model spec: {key} must be an integer, got {value!r}")
+    return value
 
 
 def _compat_hash(spec: ModelSpec) -> str:
