@@ -83,17 +83,18 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def check_pool_fits(model: str, tp: int, block_size: int, kernel_block_size: int, num_blocks: int) -> None:
-    """Refuse a KV pool larger than this machine's memory before any of it is allocated."""
+    """Refuse KV pools (every rank runs on this machine) larger than its memory, before allocating."""
     spec = SERVED_SPECS[model]
     try:
-        nbytes = kv_pool_bytes(spec, tp, block_size, kernel_block_size, num_blocks)
+        per_rank = kv_pool_bytes(spec, tp, block_size, kernel_block_size, num_blocks)
     except ValueError as error:
         raise ValueError(f"--model {model} with --tp {tp}: {error}") from None
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if nbytes > physical:
+    if per_rank * tp > physical:
         raise ValueError(f"--num-blocks {num_blocks} of --block-size {block_size} tokens needs "
-                         f"{nbytes / 2**30:.1f} GiB of KV memory per rank for {model}, more than this "
-                         f"machine's {physical / 2**30:.1f} GiB; use fewer blocks")
+                         f"{per_rank / 2**30:.1f} GiB of KV memory per rank for {model}, "
+                         f"{per_rank * tp / 2**30:.1f} GiB for --tp {tp}, more than this machine's "
+                         f"{physical / 2**30:.1f} GiB; use fewer blocks")
 
 
 def run(args: argparse.Namespace) -> int:
