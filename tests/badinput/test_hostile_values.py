@@ -212,6 +212,12 @@ def test_issue_examples_are_refused_naming_the_option(args: list[str], expected:
     assert code == 2 and expected in err, err
 
 
+def test_plan_at_the_widest_tp_answers_within_the_bound() -> None:
+    code, out, err = run_cli(["plan", "--preset", "llama3-8b", "--p-tp", "256", "--d-tp", "256", "--tokens", "16"])
+    assert code == 0, err
+    assert "D rank 255: reads P [255], notifies P [255]" in out
+
+
 def test_plan_over_the_report_bound_is_refused_with_its_size() -> None:
     code, _, err = run_cli([*PLAN_BASE, "--tokens", "16777216", "--p-block-size", "1", "--d-block-size", "1"])
     assert code == 2
