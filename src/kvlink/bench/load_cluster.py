@@ -19,6 +19,15 @@ from typing import Any
 import httpx
 
 from kvlink.cli.launcher import Service, free_port, start_service, stop_all, wait_healthy
+from kvlink.layout.limits import (
+    BLOCK_SIZE,
+    NUM_BLOCKS,
+    SECONDS,
+    SECONDS_OR_ZERO,
+    THREADS,
+    bounded,
+    check_fields,
+)
 
 Progress = Callable[[str], None]
 
@@ -26,15 +35,15 @@ Progress = Callable[[str], None]
 @dataclass
 class ClusterConfig:
     model: str = "tiny-hybrid"
-    num_blocks: int = 64
-    block_size: int = 16
-    lease_s: float = 30.0
-    stall_timeout_s: float = 10.0
-    quarantine_s: float = 60.0
+    num_blocks: int = bounded(NUM_BLOCKS, 64)
+    block_size: int = bounded(BLOCK_SIZE, 16)
+    lease_s: float = bounded(SECONDS, 30.0)
+    stall_timeout_s: float = bounded(SECONDS, 10.0)
+    quarantine_s: float = bounded(SECONDS_OR_ZERO, 60.0)
     load_failure_policy: str = "recompute"
-    request_timeout_s: float = 60.0
-    proxy_timeout_s: float = 60.0
-    threads: int = 1
+    request_timeout_s: float = bounded(SECONDS, 60.0)
+    proxy_timeout_s: float = bounded(SECONDS, 60.0)
+    threads: int = bounded(THREADS, 1)
     reference: bool = False  # also start a colocated `--role both` instance for expected texts
     env: dict[str, str] = field(default_factory=dict)  # extra env for P and D (e.g. UCX_TLS=tcp)
     prefill_env: dict[str, str] = field(default_factory=dict)  # on top of `env`, P only
@@ -45,6 +54,9 @@ class ClusterConfig:
     decode_netns: str | None = None
     extra_args: list[str] = field(default_factory=list)
     prefill_args: list[str] = field(default_factory=list)  # on top of extra_args, P only (e.g. --tp 2)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 class Cluster:

@@ -24,6 +24,17 @@ import httpx
 
 from kvlink.bench.serve_client import Answer, stream_completion
 from kvlink.bench.serve_cluster import ClusterSpec, Placement, running_cluster
+from kvlink.layout.limits import (
+    CONCURRENCY,
+    COUNT,
+    MAX_TOKENS,
+    NUM_BLOCKS,
+    SEED,
+    TOKENS,
+    bounded,
+    check_fields,
+    int_range,
+)
 
 Progress = Callable[[str], None]
 
@@ -31,15 +42,18 @@ Progress = Callable[[str], None]
 @dataclass(frozen=True)
 class BenchConfig:
     model: str = "smollm2-135m"
-    prompt_len: int = 256
-    requests: int = 12
-    concurrency: int = 2
-    max_tokens: int = 16
-    num_blocks: int = 128
-    seed: int = 0
+    prompt_len: int = bounded(int_range(2, MAX_TOKENS), 256)
+    requests: int = bounded(COUNT, 12)
+    concurrency: int = bounded(CONCURRENCY, 2)
+    max_tokens: int = bounded(TOKENS, 16)
+    num_blocks: int = bounded(NUM_BLOCKS, 128)
+    seed: int = bounded(SEED, 0)
     placement: Placement = field(default_factory=Placement.pinned)
     progress_thread: bool = True
     log_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 @dataclass

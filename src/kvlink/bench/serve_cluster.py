@@ -17,6 +17,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvlink.cli.launcher import Service, free_port, start_service, stop_all, wait_healthy
+from kvlink.layout.limits import (
+    BLOCK_SIZE,
+    MAX_TOKENS,
+    NUM_BLOCKS,
+    SECONDS,
+    TP,
+    bounded,
+    check_fields,
+    int_range,
+)
 
 Progress = Callable[[str], None]
 
@@ -56,18 +66,21 @@ class Placement:
 @dataclass(frozen=True)
 class ClusterSpec:
     model: str = "smollm2-135m"
-    prefill_tp: int = 1
-    decode_tp: int = 1
-    num_blocks: int = 128
-    block_size: int = 16
+    prefill_tp: int = bounded(TP, 1)
+    decode_tp: int = bounded(TP, 1)
+    num_blocks: int = bounded(NUM_BLOCKS, 128)
+    block_size: int = bounded(BLOCK_SIZE, 16)
     pd: bool = True  # start P, D and the proxy
     colocated: bool = True  # start a colocated instance too
     placement: Placement = field(default_factory=Placement)
-    lease_s: float = 30.0
-    request_timeout_s: float = 120.0
-    max_model_len: int | None = None
+    lease_s: float = bounded(SECONDS, 30.0)
+    request_timeout_s: float = bounded(SECONDS, 120.0)
+    max_model_len: int | None = bounded(int_range(1, MAX_TOKENS, allow_none=True), None)
     progress_thread: bool = True  # NIXL progress thread on P and D (the serve default)
     transfer_mode: str = "pull"  # pull: D READs; push: P WRITEs into the blocks D announces
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 @dataclass

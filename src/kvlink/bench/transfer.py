@@ -38,9 +38,23 @@ from kvlink.connector.api import RequestView
 from kvlink.connector.config import ConnectorConfig
 from kvlink.connector.scheduler import NixlScheduler
 from kvlink.layout.geometry import build_worker_geometry, packed_base_addrs
+from kvlink.layout.limits import (
+    BLOCK_SIZE,
+    COUNT,
+    MAX_MODEL_DIM,
+    SECONDS_OR_ZERO,
+    SEED,
+    TOKENS,
+    TP,
+    check,
+    float_range,
+    int_range,
+)
 from kvlink.layout.presets import preset
 
 NODE = "kvlink.bench.transfer_node"
+MAX_GIB = float_range(1 / 1024, 1024.0)
+"""--max-gib: one side's KV pool."""
 Log = Callable[[str], None]
 
 
@@ -60,12 +74,17 @@ class BenchOptions:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not self.tokens or min(self.tokens) < 1:
-            raise ValueError(f"--tokens must be positive token counts, got {self.tokens}")
-        if self.repeats < 1 or self.min_seconds < 0 or self.max_gib <= 0:
-            raise ValueError("--repeats must be >= 1, --min-seconds >= 0 and --max-gib > 0")
-        if self.p_tp < 1 or self.d_tp < 1 or self.block_size < 1:
-            raise ValueError("--p-tp, --d-tp and --block-size must be >= 1")
+        if not self.tokens:
+            raise ValueError("--tokens: expected at least one token count")
+        for tokens in self.tokens:
+            check("--tokens", tokens, TOKENS)
+        for name, value, bound in (
+            ("--p-tp", self.p_tp, TP), ("--d-tp", self.d_tp, TP), ("--block-size", self.block_size, BLOCK_SIZE),
+            ("--repeats", self.repeats, COUNT), ("max_rounds", self.max_rounds, COUNT),
+            ("--min-seconds", self.min_seconds, SECONDS_OR_ZERO), ("--max-gib", self.max_gib, MAX_GIB),
+            ("--layers", self.layers, int_range(1, MAX_MODEL_DIM, allow_none=True)), ("seed", self.seed, SEED),
+        ):
+            check(name, value, bound)
         if self.mode not in ("pull", "push"):
             raise ValueError(f"--mode must be pull or push, got {self.mode!r}")
 

@@ -20,25 +20,41 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvlink.cli.ranges import ranged
+from kvlink.layout.limits import (
+    CONCURRENCY,
+    COUNT,
+    FRACTION,
+    MAX_SECONDS,
+    NUM_BLOCKS,
+    SECONDS,
+    SECONDS_OR_ZERO,
+    SEED,
+    THREADS,
+    TOKENS,
+    float_range,
+)
 from kvlink.serve.factory import MODEL_NAMES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", choices=MODEL_NAMES, default="smollm2-135m")
-    parser.add_argument("--requests", type=int, default=500)
-    parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--cancel-fraction", type=float, default=0.1)
-    parser.add_argument("--max-prompt-words", type=int, default=300)
-    parser.add_argument("--time-limit-s", type=float, default=1200.0,
+    parser.add_argument("--requests", type=ranged(COUNT), default=500)
+    parser.add_argument("--concurrency", type=ranged(CONCURRENCY), default=8)
+    parser.add_argument("--cancel-fraction", type=ranged(FRACTION), default=0.1)
+    parser.add_argument("--max-prompt-words", type=ranged(TOKENS), default=300)
+    parser.add_argument("--time-limit-s", type=ranged(SECONDS), default=1200.0,
                         help="stop launching requests after this long")
-    parser.add_argument("--num-blocks", type=int, default=256)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per instance")
-    parser.add_argument("--soak-minutes", type=float, default=None,
+    parser.add_argument("--num-blocks", type=ranged(NUM_BLOCKS), default=256)
+    parser.add_argument("--seed", type=ranged(SEED), default=0)
+    parser.add_argument("--threads", type=ranged(THREADS), default=1, help="torch threads per instance")
+    parser.add_argument("--soak-minutes", type=ranged(float_range(1 / 60, MAX_SECONDS / 60)), default=None,
                         help="soak mode: a low-rate stream with idle gaps for this many minutes")
-    parser.add_argument("--soak-rate", type=float, default=2.0, help="requests per second while soaking")
-    parser.add_argument("--soak-batch", type=int, default=100, help="requests between idle gaps")
-    parser.add_argument("--soak-gap-s", type=float, default=5.0, help="idle gap between batches")
+    parser.add_argument("--soak-rate", type=ranged(float_range(1e-3, 1e4)), default=2.0,
+                        help="requests per second while soaking")
+    parser.add_argument("--soak-batch", type=ranged(COUNT), default=100, help="requests between idle gaps")
+    parser.add_argument("--soak-gap-s", type=ranged(SECONDS_OR_ZERO), default=5.0,
+                        help="idle gap between batches")
     parser.add_argument("--log-dir", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None, help="write the summary here")
 

@@ -7,12 +7,15 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from kvlink.cli.ranges import ranged
+from kvlink.layout.limits import COUNT, MAX_TOKENS, int_range
 from kvlink.layout.presets import LLAMA3_8B
 from kvlink.plan.descriptors import desc_ids_attention
 from kvlink.plan.report import EngineConfig, fake_engine
@@ -24,9 +27,10 @@ BLOCK_SIZE = 16
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="FILE", help="also write the results to FILE")
-    parser.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS),
-                        help="request lengths to time")
-    parser.add_argument("--repeat", type=int, default=50, help="timed runs per size (median reported)")
+    parser.add_argument("--tokens", type=ranged(int_range(2, MAX_TOKENS)), nargs="+",
+                        default=list(DEFAULT_TOKENS), help=f"request lengths to time (2..{MAX_TOKENS})")
+    parser.add_argument("--repeat", type=ranged(COUNT), default=50,
+                        help="timed runs per size (median reported)")
 
 
 def _median_ms(fn: Callable[[], object], repeat: int) -> float:
@@ -76,7 +80,11 @@ def measure(tokens_list: list[int], repeat: int) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    result = measure(args.tokens, args.repeat)
+    try:
+        result = measure(args.tokens, args.repeat)
+    except ValueError as exc:  # a plan over the memory bound, refused before it is built
+        print(f"kvlink bench plan: {exc}", file=sys.stderr)
+        return 2
     print(f"{result['layout']}; plan built once in {result['plan_build_ms']} ms")
     print(f"{'tokens':>8} {'descs/side':>11} {'request_ids ms':>15} {'desc ids ms':>12} {'ms/10k ids':>11}")
     for row in result["rows"]:

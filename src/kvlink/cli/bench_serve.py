@@ -5,16 +5,20 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from kvlink.cli.ranges import ranged
 from kvlink.engine.models import MODEL_NAMES
+from kvlink.layout.limits import CONCURRENCY, COUNT, MAX_TOKENS, NUM_BLOCKS, TOKENS, int_range
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", choices=MODEL_NAMES, default="smollm2-135m")
-    parser.add_argument("--prompt-len", type=int, default=256, help="prompt tokens per request")
-    parser.add_argument("--requests", type=int, default=12, help="measured requests per setup")
-    parser.add_argument("--concurrency", type=int, default=2, help="requests in flight at once")
-    parser.add_argument("--max-tokens", type=int, default=16, help="tokens to generate per request")
-    parser.add_argument("--num-blocks", type=int, default=128)
+    parser.add_argument("--prompt-len", type=ranged(int_range(2, MAX_TOKENS)), default=256,
+                        help="prompt tokens per request")
+    parser.add_argument("--requests", type=ranged(COUNT), default=12, help="measured requests per setup")
+    parser.add_argument("--concurrency", type=ranged(CONCURRENCY), default=2,
+                        help="requests in flight at once")
+    parser.add_argument("--max-tokens", type=ranged(TOKENS), default=16, help="tokens to generate per request")
+    parser.add_argument("--num-blocks", type=ranged(NUM_BLOCKS), default=128)
     parser.add_argument("--no-pin", action="store_true",
                         help="do not pin processes to cores (default: P core 0, D core 1, "
                              "colocated both, on machines with at least 2 cores)")
@@ -30,10 +34,6 @@ def run(args: argparse.Namespace) -> int:
     from kvlink.bench.serve_bench import BenchConfig, plot, run_bench, table, write_json
     from kvlink.bench.serve_cluster import Placement
 
-    if args.prompt_len < 2 or args.requests < 1 or args.concurrency < 1 or args.max_tokens < 1:
-        print("kvlink bench serve: --prompt-len must be >= 2 and --requests, --concurrency, "
-              "--max-tokens >= 1")
-        return 2
     placement = Placement() if args.no_pin else Placement.pinned()
     config = BenchConfig(args.model, args.prompt_len, args.requests, args.concurrency,
                          args.max_tokens, args.num_blocks, placement=placement, log_dir=args.log_dir,

@@ -7,31 +7,38 @@ import json
 import os
 import sys
 
-from kvlink.bench.transfer import BenchOptions, plan_sizes, run_bench
+from kvlink.bench.transfer import MAX_GIB, BenchOptions, plan_sizes, run_bench
 from kvlink.bench.transfer_report import plot, table, verdicts
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+from kvlink.cli.ranges import ranged, ranged_list
+from kvlink.layout.limits import (
+    BLOCK_SIZE,
+    COUNT,
+    MODEL_DIM,
+    SECONDS_OR_ZERO,
+    TOKENS,
+    TP,
+)
+from kvlink.layout.presets import PRESETS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", default="llama3-8b", help="model preset (attention or MLA)")
-    parser.add_argument("--tokens", type=_ints, default=[512, 4096, 32768],
+    parser.add_argument("--preset", default="llama3-8b", choices=sorted(PRESETS),
+                        help="model preset (attention or MLA)")
+    parser.add_argument("--tokens", type=ranged_list(TOKENS), default=[512, 4096, 32768],
                         help="comma-separated tokens per request (default 512,4096,32768)")
-    parser.add_argument("--p-tp", type=int, default=1, help="prefill TP size")
-    parser.add_argument("--d-tp", type=int, default=1, help="decode TP size")
+    parser.add_argument("--p-tp", type=ranged(TP), default=1, help="prefill TP size")
+    parser.add_argument("--d-tp", type=ranged(TP), default=1, help="decode TP size")
     parser.add_argument("--mode", choices=("pull", "push"), default="pull")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=9,
+    parser.add_argument("--block-size", type=ranged(BLOCK_SIZE), default=16)
+    parser.add_argument("--repeats", type=ranged(COUNT), default=9,
                         help="minimum rounds per size and layout; each round times the connector, raw "
                              "NIXL and NIXL over the connector's descriptors (medians of per-round ratios)")
-    parser.add_argument("--min-seconds", type=float, default=1.0,
+    parser.add_argument("--min-seconds", type=ranged(SECONDS_OR_ZERO), default=1.0,
                         help="add rounds (up to 60) until the connector's timed transfers add up to "
                              "about this long per size and layout (small transfers are noisy)")
-    parser.add_argument("--max-gib", type=float, default=2.0,
-                        help="cap one side's KV pool; layers are cut to fit (default 2 GiB)")
-    parser.add_argument("--layers", type=int, default=None, help="use at most this many layers")
+    parser.add_argument("--max-gib", type=ranged(MAX_GIB), default=2.0,
+                        help="cap one side's KV pool; layers are cut to fit (default 2 GiB, at most 1024)")
+    parser.add_argument("--layers", type=ranged(MODEL_DIM), default=None, help="use at most this many layers")
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
     parser.add_argument("--plot", metavar="FILE", help="write a PNG chart")
 

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvlink.cli.ranges import ranged
 from kvlink.engine.models import MODEL_NAMES
+from kvlink.layout.limits import NUM_BLOCKS, TOKENS, TP, int_range
 
 if TYPE_CHECKING:
     from kvlink.bench.serve_client import Answer
@@ -49,13 +51,14 @@ PROMPTS: tuple[tuple[str, str], ...] = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", choices=MODEL_NAMES, default="smollm2-135m")
-    parser.add_argument("--p-tp", type=int, default=1, help="tensor-parallel ranks of P")
-    parser.add_argument("--d-tp", type=int, default=1, help="tensor-parallel ranks of D")
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--num-blocks", type=int, default=128)
+    parser.add_argument("--p-tp", type=ranged(TP), default=1, help="tensor-parallel ranks of P")
+    parser.add_argument("--d-tp", type=ranged(TP), default=1, help="tensor-parallel ranks of D")
+    parser.add_argument("--max-tokens", type=ranged(TOKENS), default=32)
+    parser.add_argument("--num-blocks", type=ranged(NUM_BLOCKS), default=128)
     parser.add_argument("--log-dir", type=Path, default=None,
                         help="where the processes' logs go (default: a fresh temporary directory)")
-    parser.add_argument("--width", type=int, default=100, help="output width in characters")
+    parser.add_argument("--width", type=ranged(int_range(40, 10_000)), default=100,
+                        help="output width in characters")
 
 
 @dataclass

@@ -36,7 +36,7 @@ def _add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser],
     """One subparser per command; only the chosen one imports its module to add its options."""
     for name, (module, help_text) in commands.items():
         p = sub.add_parser(name, help=help_text)
-        p.set_defaults(_module=module)
+        p.set_defaults(_module=module, _parser=p)
         if name == chosen:
             importlib.import_module(module).add_arguments(p)
 
@@ -52,9 +52,25 @@ def _build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse and check a command line; exits 2 (argparse's usage error) on any bad value.
+
+    A command module may define `check_args(args)`, raising ValueError for values that are
+    each in range but wrong together (a prefix hit longer than the prompt, say).
+    """
     words = sys.argv[1:] if argv is None else list(argv)
     args = _build_parser(words).parse_args(words)
+    check_args = getattr(importlib.import_module(args._module), "check_args", None)
+    if check_args is not None:
+        try:
+            check_args(args)
+        except ValueError as error:
+            args._parser.error(str(error))
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
     code: int = importlib.import_module(args._module).run(args)
     return code
 

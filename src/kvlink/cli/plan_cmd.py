@@ -7,31 +7,54 @@ import json
 import sys
 from typing import Any
 
+from kvlink.cli.ranges import ranged
+from kvlink.layout.limits import (
+    BLOCK_SIZE,
+    MAX_BLOCK_SIZE,
+    MAX_TOKENS,
+    MAX_TP,
+    SEED,
+    TOKENS,
+    TP,
+    int_range,
+)
 from kvlink.layout.presets import PRESETS, preset
 from kvlink.plan.compat import IncompatibleLayout
 from kvlink.plan.report import EngineConfig, plan_report
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    block = ranged(BLOCK_SIZE)
     parser.add_argument("--preset", required=True, choices=sorted(PRESETS), help="model KV geometry")
-    parser.add_argument("--p-tp", type=int, required=True, help="prefill engine TP size")
-    parser.add_argument("--d-tp", type=int, required=True, help="decode engine TP size")
-    parser.add_argument("--p-block-size", type=int, default=16)
-    parser.add_argument("--d-block-size", type=int, default=16)
-    parser.add_argument("--p-kernel-block-size", type=int, help="default: the P block size")
-    parser.add_argument("--d-kernel-block-size", type=int, help="default: the D block size")
-    parser.add_argument("--tokens", type=int, default=1000, help="prompt length of the sample request")
-    parser.add_argument("--d-computed-tokens", type=int, default=0,
-                        help="D prefix-cache hit (a multiple of the D block size)")
-    parser.add_argument("--scatter", type=int, metavar="SEED",
+    parser.add_argument("--p-tp", type=ranged(TP), required=True, help=f"prefill engine TP size (1..{MAX_TP})")
+    parser.add_argument("--d-tp", type=ranged(TP), required=True, help=f"decode engine TP size (1..{MAX_TP})")
+    parser.add_argument("--p-block-size", type=block, default=16, help=f"1..{MAX_BLOCK_SIZE} tokens")
+    parser.add_argument("--d-block-size", type=block, default=16, help=f"1..{MAX_BLOCK_SIZE} tokens")
+    parser.add_argument("--p-kernel-block-size", type=block, help="default: the P block size")
+    parser.add_argument("--d-kernel-block-size", type=block, help="default: the D block size")
+    parser.add_argument("--tokens", type=ranged(TOKENS), default=1000,
+                        help=f"prompt length of the sample request (1..{MAX_TOKENS})")
+    parser.add_argument("--d-computed-tokens", type=ranged(int_range(0, MAX_TOKENS - 1)), default=0,
+                        help="D prefix-cache hit (a multiple of the D block size, below --tokens)")
+    parser.add_argument("--scatter", type=ranged(SEED), metavar="SEED",
                         help="shuffle the sample block ids with SEED (default: consecutive ids)")
     parser.add_argument("--json", action="store_true",
                         help="every region and every transfer as JSON (schema: docs/plan-json.md)")
 
 
+def check_args(args: argparse.Namespace) -> None:
+    if args.d_computed_tokens >= args.tokens:
+        raise ValueError(f"--d-computed-tokens {args.d_computed_tokens} must be below --tokens "
+                         f"{args.tokens}: D always recomputes the last prompt token")
+
+
+def _kernel(kernel_block_size: int | None, block_size: int) -> int:
+    return block_size if kernel_block_size is None else kernel_block_size
+
+
 def run(args: argparse.Namespace) -> int:
-    p = EngineConfig(args.p_tp, args.p_block_size, args.p_kernel_block_size or args.p_block_size)
-    d = EngineConfig(args.d_tp, args.d_block_size, args.d_kernel_block_size or args.d_block_size)
+    p = EngineConfig(args.p_tp, args.p_block_size, _kernel(args.p_kernel_block_size, args.p_block_size))
+    d = EngineConfig(args.d_tp, args.d_block_size, _kernel(args.d_kernel_block_size, args.d_block_size))
     try:
         report = plan_report(preset(args.preset), p, d, args.tokens, args.d_computed_tokens,
                              args.scatter, with_transfers=args.json)

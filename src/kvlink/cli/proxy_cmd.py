@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+from urllib.parse import urlsplit
+
+from kvlink.cli.ranges import ranged
+from kvlink.layout.limits import PORT, SECONDS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -11,10 +15,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode", nargs="+", required=True, metavar="URL",
                         help="decode instance base URLs, e.g. http://127.0.0.1:8200")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--timeout-s", type=float, default=120.0,
+    parser.add_argument("--port", type=ranged(PORT), default=8000)
+    parser.add_argument("--timeout-s", type=ranged(SECONDS), default=120.0,
                         help="deadline of each upstream call (and between streamed chunks)")
-    parser.add_argument("--connect-timeout-s", type=float, default=5.0)
+    parser.add_argument("--connect-timeout-s", type=ranged(SECONDS), default=5.0)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    for option, urls in (("--prefill", args.prefill), ("--decode", args.decode)):
+        for url in urls:
+            try:
+                parts = urlsplit(url)
+                port_ok = parts.port is None or parts.port > 0
+            except ValueError:
+                parts, port_ok = None, False
+            if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
+                raise ValueError(f"{option}: expected an http:// or https:// base URL with a host, "
+                                 f"e.g. http://127.0.0.1:8100; got {url!r}")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -4,47 +4,97 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
+from kvlink.cli.ranges import ranged
+from kvlink.layout.limits import (
+    BLOCK_SIZE,
+    MAX_PORT,
+    MAX_TP,
+    NUM_BLOCKS,
+    PORT,
+    PORT_OR_EPHEMERAL,
+    SECONDS,
+    SECONDS_OR_ZERO,
+    THREADS,
+    TOKENS,
+    TP,
+)
+from kvlink.layout.presets import SMOLLM2_135M, TINY_HYBRID
+from kvlink.layout.spec import ModelSpec
+from kvlink.layout.tensors import kv_pool_bytes
 from kvlink.serve.factory import MODEL_NAMES
+
+# The KV geometry each served model allocates (the engine builds its caches from these).
+SERVED_SPECS: dict[str, ModelSpec] = {"smollm2-135m": SMOLLM2_135M, "tiny-hybrid": TINY_HYBRID}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    seconds = ranged(SECONDS)
     parser.add_argument("--role", choices=("prefill", "decode", "both"), default="both",
                         help="P (keeps KV for a decode instance), D (loads KV from P), or both")
     parser.add_argument("--model", choices=MODEL_NAMES, default="smollm2-135m")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
+    parser.add_argument("--port", type=ranged(PORT), default=8000)
+    parser.add_argument("--tp", type=ranged(TP), default=1, help=f"tensor-parallel ranks (1..{MAX_TP})")
     parser.add_argument("--engine-id", default=None, help="connector engine id (default: random)")
-    parser.add_argument("--kv-port", type=int, default=None,
-                        help="side-channel port for KV handshakes (P and D roles)")
-    parser.add_argument("--num-blocks", type=int, default=128, help="logical KV blocks per group")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per logical block")
-    parser.add_argument("--kernel-block-size", type=int, default=None,
-                        help="tokens per kernel block (default: --block-size)")
+    parser.add_argument("--kv-port", type=ranged(PORT_OR_EPHEMERAL), default=None,
+                        help="side-channel port for KV handshakes (P and D roles); rank r listens "
+                             "on --kv-port + r (default or 0: an ephemeral port)")
+    parser.add_argument("--num-blocks", type=ranged(NUM_BLOCKS), default=128,
+                        help="logical KV blocks per group (the pool must fit in this machine's memory)")
+    parser.add_argument("--block-size", type=ranged(BLOCK_SIZE), default=16, help="tokens per logical block")
+    parser.add_argument("--kernel-block-size", type=ranged(BLOCK_SIZE), default=None,
+                        help="tokens per kernel block, dividing --block-size (default: --block-size)")
     parser.add_argument("--load-failure-policy", choices=("fail", "recompute"), default="fail")
     parser.add_argument("--transfer-mode", choices=("pull", "push"), default="pull")
-    parser.add_argument("--stall-timeout-s", type=float, default=10.0,
+    parser.add_argument("--stall-timeout-s", type=seconds, default=10.0,
                         help="a KV transfer with no progress for this long fails (its blocks are invalid)")
-    parser.add_argument("--quarantine-s", type=float, default=60.0,
+    parser.add_argument("--quarantine-s", type=ranged(SECONDS_OR_ZERO), default=60.0,
                         help="after a stalled (not dead) peer, keep the load's blocks out of use this "
                              "long, since a late transfer may still write them")
-    parser.add_argument("--lease-s", type=float, default=30.0,
+    parser.add_argument("--lease-s", type=seconds, default=30.0,
                         help="how long P keeps a finished request's blocks for D")
-    parser.add_argument("--max-model-len", type=int, default=None,
+    parser.add_argument("--max-model-len", type=ranged(TOKENS), default=None,
                         help="cap on prompt + completion tokens (default: what the blocks hold)")
-    parser.add_argument("--request-timeout-s", type=float, default=120.0,
+    parser.add_argument("--request-timeout-s", type=seconds, default=120.0,
                         help="abort a request that produces nothing for this long")
-    parser.add_argument("--tp-step-timeout-s", type=float, default=60.0,
+    parser.add_argument("--tp-step-timeout-s", type=seconds, default=60.0,
                         help="with --tp: a collective inside a step (all-reduce, gathering the "
                              "connector's outputs) that waits this long on a rank fails the engine "
                              "with an error instead of hanging (a frozen or dead rank)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--threads", type=ranged(THREADS), default=None, help="torch CPU threads")
     parser.add_argument("--progress-thread", action=argparse.BooleanOptionalAction, default=True,
                         help="run NIXL's progress thread (sleeps up to 1 ms between polls), so a "
                              "peer's READs of this instance's KV progress while a forward pass "
                              "runs (default: on; without it KV moves wait for the engine loop)")
-    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--log-level", type=str.lower, default="info",
+                        choices=("debug", "info", "warning", "error", "critical"))
+
+
+def check_args(args: argparse.Namespace) -> None:
+    kernel = args.kernel_block_size or args.block_size
+    if args.block_size % kernel:
+        raise ValueError(f"--kernel-block-size {kernel} must divide --block-size {args.block_size}")
+    if args.kv_port and args.kv_port + args.tp - 1 > MAX_PORT:
+        raise ValueError(f"--kv-port {args.kv_port} with --tp {args.tp}: rank r listens on --kv-port + r, "
+                         f"so --kv-port must be at most {MAX_PORT - args.tp + 1}")
+    check_pool_fits(args.model, args.tp, args.block_size, kernel, args.num_blocks)
+
+
+def check_pool_fits(model: str, tp: int, block_size: int, kernel_block_size: int, num_blocks: int) -> None:
+    """Refuse KV pools (every rank runs on this machine) larger than its memory, before allocating."""
+    spec = SERVED_SPECS[model]
+    try:
+        per_rank = kv_pool_bytes(spec, tp, block_size, kernel_block_size, num_blocks)
+    except ValueError as error:
+        raise ValueError(f"--model {model} with --tp {tp}: {error}") from None
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if per_rank * tp > physical:
+        raise ValueError(f"--num-blocks {num_blocks} of --block-size {block_size} tokens needs "
+                         f"{per_rank / 2**30:.1f} GiB of KV memory per rank for {model}, "
+                         f"{per_rank * tp / 2**30:.1f} GiB for --tp {tp}, more than this machine's "
+                         f"{physical / 2**30:.1f} GiB; use fewer blocks")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,23 +6,26 @@ import os
 from dataclasses import dataclass
 
 from kvlink.connector.api import LoadFailurePolicy, TransferMode
+from kvlink.layout.limits import PORT_OR_EPHEMERAL, SECONDS, SECONDS_OR_ZERO, bounded, check_fields
 
 
 @dataclass(frozen=True)
 class ConnectorConfig:
     """Settings an engine passes to its connector.
 
-    `side_channel_port` is the base port: TP rank r listens on `port + r`.
+    `side_channel_port` is the base port: TP rank r listens on `port + r` (0: ephemeral).
+    Sizes and durations carry their allowed range (`kvlink.layout.limits`); building one
+    from any dict (an engine's extra config) checks them.
     """
 
     engine_id: str
     side_channel_host: str = "127.0.0.1"
-    side_channel_port: int = 5600
-    lease_s: float = 30.0
-    stall_timeout_s: float = 10.0
-    quarantine_s: float = 60.0
-    handshake_timeout_s: float = 5.0
-    engine_ttl_s: float = 600.0
+    side_channel_port: int = bounded(PORT_OR_EPHEMERAL, 5600)
+    lease_s: float = bounded(SECONDS, 30.0)
+    stall_timeout_s: float = bounded(SECONDS, 10.0)
+    quarantine_s: float = bounded(SECONDS_OR_ZERO, 60.0)
+    handshake_timeout_s: float = bounded(SECONDS, 5.0)
+    engine_ttl_s: float = bounded(SECONDS, 600.0)
     load_failure_policy: LoadFailurePolicy = "fail"
     transfer_mode: TransferMode = "pull"
     secret: bytes | None = None
@@ -33,10 +36,12 @@ class ConnectorConfig:
     incarnation: str | None = None
 
     def __post_init__(self) -> None:
-        if not self.engine_id:
-            raise ValueError("engine_id must be a non-empty string")
-        if self.lease_s <= 0 or self.stall_timeout_s <= 0 or self.handshake_timeout_s <= 0:
-            raise ValueError("lease_s, stall_timeout_s and handshake_timeout_s must be positive")
+        if not isinstance(self.engine_id, str) or not self.engine_id:
+            raise ValueError(f"engine_id: expected a non-empty string, got {self.engine_id!r}")
+        if not isinstance(self.side_channel_host, str) or not self.side_channel_host:
+            raise ValueError(f"side_channel_host: expected a host name or address, got "
+                             f"{self.side_channel_host!r}")
+        check_fields(self)
         if self.load_failure_policy not in ("recompute", "fail"):
             raise ValueError(f"load_failure_policy must be 'recompute' or 'fail', got {self.load_failure_policy!r}")
         if self.transfer_mode not in ("pull", "push"):

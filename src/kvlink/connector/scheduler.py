@@ -23,6 +23,7 @@ from kvlink.connector.params import (
     wants_remote_decode,
     wants_remote_prefill,
 )
+from kvlink.layout.limits import TP, check
 from kvlink.layout.spec import ModelSpec, is_ssm
 from kvlink.transfer.framing import resolve_secret
 
@@ -42,7 +43,7 @@ class NixlScheduler(ConnectorScheduler):
         *, model: ModelSpec | None = None,
     ) -> None:
         self.config = config
-        self.tp_size = tp_size
+        self.tp_size = check("tp_size", tp_size, TP)
         # D's prefix hits never hold P's SSM state after N-1 tokens: it always moves.
         self.state_always_moves = model is not None and any(is_ssm(g) for g in model.groups)
         self.load_failure_policy = config.load_failure_policy

@@ -29,7 +29,8 @@ from kvlink.connector.pull import PullReader, all_blocks, local_tail
 from kvlink.connector.push import PushWriter
 from kvlink.connector.remote import RemoteEngine, encode_geometry
 from kvlink.connector.stats import ConnectorStats
-from kvlink.layout.geometry import WorkerGeometry, build_worker_geometry
+from kvlink.layout.geometry import WorkerGeometry, build_worker_geometry, check_worker_sizes
+from kvlink.layout.limits import MAX_PORT
 from kvlink.layout.spec import ModelSpec
 from kvlink.transfer.agent import NixlAgent
 from kvlink.transfer.agent_config import AgentConfig
@@ -48,6 +49,10 @@ class NixlWorker(ConnectorWorker):
         block_size: int, kernel_block_size: int, num_blocks: int,
         agent_config: AgentConfig | None = None, clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        check_worker_sizes(tp_size, tp_rank, block_size, kernel_block_size, num_blocks)
+        if config.side_channel_port and config.side_channel_port + tp_rank > MAX_PORT:
+            raise ValueError(f"side_channel_port {config.side_channel_port} + tp_rank {tp_rank} is past "
+                             f"port {MAX_PORT}; use a base port of at most {MAX_PORT - tp_size + 1}")
         self.config = config
         self.model = model
         self.tp_size, self.tp_rank = tp_size, tp_rank

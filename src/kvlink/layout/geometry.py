@@ -11,11 +11,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kvlink.layout.limits import NUM_BLOCKS, TP, check, int_range
 from kvlink.layout.spec import GDN, MLA, Mamba2, ModelSpec, ShardedPart, is_ssm
 from kvlink.layout.tensors import TensorSpec, check_block_sizes, kv_tensor_specs, ssm_page_slices
 
 RegionKind = Literal["attention", "mla", "ssm"]
 WIRE_VERSION = 1
+ADDRESS_LIMIT = 2**64
+DEVICE_ID = int_range(0, 2**31 - 1)
 
 
 @dataclass(frozen=True)
@@ -190,11 +193,8 @@ def build_worker_geometry(
     device_id: int = 0,
 ) -> WorkerGeometry:
     """The geometry of the tensors `kv_tensor_specs` describes, placed at `base_addrs` (one per layer)."""
-    check_block_sizes(block_size, kernel_block_size)
-    if not 0 <= tp_rank < tp_size:
-        raise ValueError(f"tp_rank {tp_rank} outside [0, {tp_size})")
-    if num_blocks <= 0:
-        raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+    check_worker_sizes(tp_size, tp_rank, block_size, kernel_block_size, num_blocks)
+    check("device_id", device_id, DEVICE_ID)
     if len(base_addrs) != model.num_layers:
         raise ValueError(f"expected {model.num_layers} base addresses (one per layer), got {len(base_addrs)}")
     specs = kv_tensor_specs(model, tp_size, block_size, kernel_block_size, num_blocks)
@@ -204,10 +204,23 @@ def build_worker_geometry(
                           device_id, regions)
 
 
+def check_worker_sizes(tp_size: int, tp_rank: int, block_size: int, kernel_block_size: int,
+                       num_blocks: int) -> None:
+    """ValueError naming the first size out of range (see `kvlink.layout.limits`)."""
+    check("tp_size", tp_size, TP)
+    check("tp_rank", tp_rank, int_range(0, tp_size - 1))
+    check_block_sizes(block_size, kernel_block_size)
+    check("num_blocks", num_blocks, NUM_BLOCKS)
+
+
 def _check_no_overlap(regions: Sequence[Region]) -> None:
     ordered = sorted(regions, key=lambda r: r.base)
     if ordered and ordered[0].base < 0:
         raise ValueError(f"negative base address {ordered[0].base} for layer {ordered[0].layer}")
+    if ordered and ordered[-1].end > ADDRESS_LIMIT:
+        last = ordered[-1]
+        raise ValueError(f"layer {last.layer} tensor [{last.base:#x}, {last.end:#x}) ends past the "
+                         f"64-bit address space; check its base address and the model's sizes")
     for prev, cur in itertools.pairwise(ordered):
         if cur.base < prev.end:
             raise ValueError(

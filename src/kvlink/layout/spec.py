@@ -5,7 +5,10 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 from typing import Any, Literal
+
+from kvlink.layout.limits import MAX_MODEL_DIM, MAX_TOKENS, MODEL_DIM, check, int_range
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -23,6 +26,10 @@ class ShardedPart:
     units: int
     unit_elems: int
     replicated: bool = False
+
+    def __post_init__(self) -> None:
+        check(f"part {self.name!r} units", self.units, MODEL_DIM)
+        check(f"part {self.name!r} unit_elems", self.unit_elems, int_range(1, MAX_MODEL_DIM**2))
 
     def units_on_rank(self, tp_size: int) -> int:
         if self.replicated:
@@ -60,8 +67,7 @@ class SlidingWindow:
     kind: Literal["sliding"] = "sliding"
 
     def __post_init__(self) -> None:
-        if self.window <= 0:
-            raise ValueError(f"sliding window must be positive, got {self.window}")
+        check("sliding window", self.window, int_range(1, MAX_TOKENS))
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,9 @@ class MLA:
 
     latent_dim: int
     kind: Literal["mla"] = "mla"
+
+    def __post_init__(self) -> None:
+        check("MLA latent_dim", self.latent_dim, MODEL_DIM)
 
 
 @dataclass(frozen=True)
@@ -82,6 +91,9 @@ class Mamba2:
     d_state: int
     conv_kernel: int
     kind: Literal["mamba2"] = "mamba2"
+
+    def __post_init__(self) -> None:
+        _check_ssm_dims(self)
 
     def conv_parts(self) -> tuple[ShardedPart, ...]:
         rows = self.conv_kernel - 1
@@ -106,6 +118,9 @@ class GDN:
     conv_kernel: int
     kind: Literal["gdn"] = "gdn"
 
+    def __post_init__(self) -> None:
+        _check_ssm_dims(self)
+
     def conv_parts(self) -> tuple[ShardedPart, ...]:
         rows = self.conv_kernel - 1
         return (
@@ -116,6 +131,15 @@ class GDN:
 
     def state_part(self) -> ShardedPart:
         return ShardedPart("ssm_state", self.num_v_heads, self.head_v_dim * self.head_k_dim)
+
+
+def _check_ssm_dims(group: Mamba2 | GDN) -> None:
+    """Every dim in [1, MAX_MODEL_DIM]; the conv state keeps `conv_kernel - 1` rows, so >= 2."""
+    for name, value in vars(group).items():
+        if name == "conv_kernel":
+            check(f"{group.kind} conv_kernel", value, int_range(2, MAX_MODEL_DIM))
+        elif name != "kind":
+            check(f"{group.kind} {name}", value, MODEL_DIM)
 
 
 GroupSpec = FullAttention | SlidingWindow | MLA | Mamba2 | GDN
@@ -149,6 +173,9 @@ class ModelSpec:
     layer_groups: tuple[int, ...]
 
     def __post_init__(self) -> None:
+        check("num_kv_heads", self.num_kv_heads, MODEL_DIM)
+        check("head_dim", self.head_dim, MODEL_DIM)
+        check("number of layers", len(self.layer_groups), MODEL_DIM)
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype {self.dtype!r} not supported; expected one of {sorted(DTYPE_BYTES)}")
         bad = [g for g in self.layer_groups if not 0 <= g < len(self.groups)]
@@ -196,16 +223,34 @@ class ModelSpec:
                 groups.append(_GROUP_TYPES[kind](**fields))
             return cls(
                 name=str(data["name"]),
-                num_kv_heads=int(data["num_kv_heads"]),
-                head_dim=int(data["head_dim"]),
+                num_kv_heads=_wire_int(data, "num_kv_heads"),
+                head_dim=_wire_int(data, "head_dim"),
                 dtype=str(data["dtype"]),
                 groups=tuple(groups),
-                layer_groups=tuple(int(x) for x in data["layer_groups"]),
+                layer_groups=tuple(_wire_int({"layer_groups": x}, "layer_groups") for x in data["layer_groups"]),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed model spec: {exc!r}") from exc
 
     def compat_hash(self) -> str:
         """Stable hash of everything that must match between P and D (not TP or block size)."""
-        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
+        try:
+            return _cached_compat_hash(self)
+        except TypeError:  # a spec built with lists instead of tuples is not hashable
+            return _compat_hash(self)
+
+
+def _wire_int(data: dict[str, Any], key: str) -> int:
+    value = data[key]
+    if type(value) is not int:
+        raise ValueError(f"malformed model spec: {key} must be an integer, got {value!r}")
+    return value
+
+
+def _compat_hash(spec: ModelSpec) -> str:
+    blob = json.dumps(spec.to_dict(), sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+# Planning one reader against a wide engine compares the spec once per source rank.
+_cached_compat_hash = lru_cache(maxsize=64)(_compat_hash)

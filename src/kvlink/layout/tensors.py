@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from kvlink.layout.limits import BLOCK_SIZE, NUM_BLOCKS, TP, check
 from kvlink.layout.spec import GDN, MLA, GroupSpec, Mamba2, ModelSpec, is_ssm
 
 TensorKind = Literal["attention", "mla", "ssm"]
@@ -38,9 +39,9 @@ class PageSlice:
 
 
 def check_block_sizes(block_size: int, kernel_block_size: int) -> int:
-    """Return `physical_per_logical`, refusing sizes that do not nest."""
-    if block_size <= 0 or kernel_block_size <= 0:
-        raise ValueError(f"block sizes must be positive, got {block_size} and {kernel_block_size}")
+    """Return `physical_per_logical`, refusing sizes out of range or that do not nest."""
+    check("block_size", block_size, BLOCK_SIZE)
+    check("kernel_block_size", kernel_block_size, BLOCK_SIZE)
     if block_size % kernel_block_size:
         raise ValueError(
             f"block_size {block_size} is not a multiple of kernel_block_size {kernel_block_size}"
@@ -95,10 +96,23 @@ def kv_tensor_specs(
     `num_blocks` counts logical blocks. Attention and MLA tensors are indexed by kernel
     block (`num_blocks * physical_per_logical` rows); SSM tensors by logical block.
     """
-    if tp_size <= 0:
-        raise ValueError(f"tp_size must be positive, got {tp_size}")
+    check("tp_size", tp_size, TP)
+    check("num_blocks", num_blocks, NUM_BLOCKS)
     ppl = check_block_sizes(block_size, kernel_block_size)
     return tuple(
         _tensor_for(model, layer, model.groups[g], tp_size, kernel_block_size, num_blocks * ppl, num_blocks)
         for layer, g in enumerate(model.layer_groups)
     )
+
+
+def kv_pool_bytes(
+    model: ModelSpec, tp_size: int, block_size: int, kernel_block_size: int, num_blocks: int,
+) -> int:
+    """Bytes of every cache tensor of one worker: what a pool of `num_blocks` allocates per rank."""
+    total = 0
+    for spec in kv_tensor_specs(model, tp_size, block_size, kernel_block_size, num_blocks):
+        elems = 1
+        for dim in spec.shape:
+            elems *= dim
+        total += elems * model.dtype_bytes
+    return total

@@ -51,7 +51,7 @@ def side_problems(label: str, model: ModelSpec, tp_size: int, block_size: int,
 
 def model_mismatches(p_model: ModelSpec, d_model: ModelSpec) -> list[str]:
     """Each field where the two model specs differ (empty when their compat hashes agree)."""
-    if p_model.compat_hash() == d_model.compat_hash():
+    if p_model is d_model or p_model.compat_hash() == d_model.compat_hash():
         return []
     found = [
         f"{field}: P has {getattr(p_model, field)!r}, D has {getattr(d_model, field)!r}"

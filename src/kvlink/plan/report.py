@@ -8,7 +8,9 @@ from typing import Any
 import numpy as np
 
 from kvlink.layout.geometry import Region, WorkerGeometry, build_worker_geometry, packed_base_addrs
+from kvlink.layout.limits import BLOCK_SIZE, TOKENS, TP, bounded, check, check_fields, int_range
 from kvlink.layout.spec import ModelSpec, is_ssm
+from kvlink.plan.budget import DESCRIPTOR_BYTES, check_plan_bytes, plan_bytes
 from kvlink.plan.compat import check_configuration
 from kvlink.plan.descriptors import DescArray, IntArray, count_merged, locate
 from kvlink.plan.tp_mapping import consumers_per_producer
@@ -17,13 +19,20 @@ from kvlink.plan.transfer_plan import build_transfer_plan
 P_ADDRESS_SPACE = 0x10_0000_0000
 D_ADDRESS_SPACE = 0x20_0000_0000
 RANK_ADDRESS_STRIDE = 0x1_0000_0000
+# A report plans every D rank of a sample request in turn and may list each transfer:
+# tighter bounds than one engine's plan, so it answers within seconds.
+REPORT_MAX_PLAN_BYTES = 2**28
+MAX_LISTED_TRANSFERS = 100_000
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    tp: int
-    block_size: int
-    kernel_block_size: int
+    tp: int = bounded(TP)
+    block_size: int = bounded(BLOCK_SIZE)
+    kernel_block_size: int = bounded(BLOCK_SIZE)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -65,17 +74,30 @@ def plan_report(model: ModelSpec, p: EngineConfig, d: EngineConfig, prompt_token
                 d_computed_tokens: int = 0, scatter_seed: int | None = None,
                 with_transfers: bool = False) -> dict[str, Any]:
     """Plan every D rank for one sample request; raises IncompatibleLayout for impossible pairs."""
+    check("prompt_tokens", prompt_tokens, TOKENS)
+    check("d_computed_tokens", d_computed_tokens, int_range(0, prompt_tokens - 1))
+    if scatter_seed is not None:
+        check("scatter_seed", scatter_seed, int_range(0, 2**63 - 1))
     check_configuration(model, model, p.tp, d.tp, p.block_size, p.kernel_block_size,
                         d.block_size, d.kernel_block_size)
     shipped = max(0, prompt_tokens - 1)
     p_workers = fake_engine(model, p, blocks_for(prompt_tokens, p.block_size), P_ADDRESS_SPACE)
     d_workers = fake_engine(model, d, blocks_for(prompt_tokens, d.block_size), D_ADDRESS_SPACE)
+    p_engine = dict(enumerate(p_workers))
+    total_bytes = sum(plan_bytes(reader, p_engine) for reader in d_workers)
+    check_plan_bytes(total_bytes, f"the plans of all {d.tp} D rank(s)", REPORT_MAX_PLAN_BYTES,
+                     "plan fewer tokens, larger blocks, or kernel block sizes equal on P and D")
+    # A request posts each descriptor pair at most once: at most half the listed descriptors.
+    most_listed = total_bytes // (2 * DESCRIPTOR_BYTES)
+    if with_transfers and most_listed > MAX_LISTED_TRANSFERS:
+        raise ValueError(f"listing every transfer (--json) may take up to {most_listed} entries, more "
+                         f"than {MAX_LISTED_TRANSFERS}; plan fewer tokens or leave out the list")
     p_ids = sample_block_ids(model, prompt_tokens, p.block_size, 0, scatter_seed)
     d_ids = sample_block_ids(model, prompt_tokens, d.block_size, d_computed_tokens // d.block_size,
                              scatter_seed)
     ranks = []
     for reader in d_workers:
-        plan = build_transfer_plan(reader, dict(enumerate(p_workers)))
+        plan = build_transfer_plan(reader, p_engine)
         specs = plan.request_ids(d_ids, p_ids, shipped, d_computed_tokens)
         entry: dict[str, Any] = {
             "rank": reader.tp_rank, "source_ranks": [s.src_rank for s in specs if len(s.local_idx)],

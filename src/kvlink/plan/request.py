@@ -66,11 +66,11 @@ def _check_range(ids: IntArray, num_blocks: int, side: str, group: int) -> None:
                          f"got range [{int(ids.min())}, {int(ids.max())}]")
 
 
-def _lookup(ids: IntArray, positions: IntArray, side: str, group: int, needed_tokens: str) -> IntArray:
-    if positions.size and int(positions[-1]) >= ids.size:
+def _check_length(ids: IntArray, needed: int, side: str, group: int, needed_tokens: str) -> None:
+    # Before any array the size of the token range exists: a huge range with short lists is refused.
+    if needed > ids.size:
         raise ValueError(f"{side} block list of group {group} has {ids.size} blocks but tokens "
-                         f"{needed_tokens} need {int(positions[-1]) + 1}")
-    return ids[positions]
+                         f"{needed_tokens} need {needed}")
 
 
 def _chunk_positions(
@@ -78,12 +78,14 @@ def _chunk_positions(
     computed: int,
 ) -> _ChunkPositions:
     c = plan.chunk_tokens
-    tokens = np.arange(start // c, -(-end // c), dtype=np.int64) * c
     span = f"[{start}, {end})"
     local = plan.local
+    _check_length(local_ids, (end - 1 - computed) // local.block_size + 1, "local", group, span)
+    _check_length(remote_ids, (end - 1) // plan.remote_block_size + 1, "remote", group, span)
+    tokens = np.arange(start // c, -(-end // c), dtype=np.int64) * c
     local_block = (tokens - computed) // local.block_size
-    local_logical = _lookup(local_ids, local_block, "local", group, span)
-    remote_logical = _lookup(remote_ids, tokens // plan.remote_block_size, "remote", group, span)
+    local_logical = local_ids[local_block]
+    remote_logical = remote_ids[tokens // plan.remote_block_size]
     _check_range(local_logical, local.num_blocks, "local", group)
     _check_range(remote_logical, plan.remote_num_blocks, "remote", group)
     local_in_logical = tokens % local.block_size

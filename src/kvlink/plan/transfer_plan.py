@@ -16,6 +16,7 @@ from math import gcd
 import numpy as np
 
 from kvlink.layout.geometry import Region, WorkerGeometry, remote_sub_part_slice
+from kvlink.plan.budget import DESCRIPTOR_BYTES, check_plan_bytes, descriptor_count
 from kvlink.plan.compat import IncompatibleLayout, check_compatible
 from kvlink.plan.descriptors import DescArray, IntArray, page_descs
 from kvlink.plan.request import ReadSpec, request_ids
@@ -216,6 +217,8 @@ def build_transfer_plan(
         raise ValueError(f"reader rank {local.tp_rank} reads from ranks {mapping.source_ranks}; "
                          f"geometry missing for {missing}, not a source: {stray}")
     chunk = gcd(local.kernel_block_size, any_remote.kernel_block_size)
+    check_plan_bytes(DESCRIPTOR_BYTES * descriptor_count(local, remotes, mapping, wanted, chunk),
+                     f"the transfer plan of reader rank {local.tp_rank}")
     args = _PlanArgs(local, remotes, mapping, chunk)
     sources = tuple(_build_source(args, src) for src in wanted)
     return TransferPlan(local, any_remote.tp_size, any_remote.block_size, any_remote.kernel_block_size,
