@@ -10,6 +10,12 @@ from kvlink.connector.params import InvalidTransferParams
 from kvlink.connector.scheduler import NixlScheduler
 
 
+def unsigned(engine_id: str, **kw: object) -> ConnectorConfig:
+    """These tests are about scheduling, not trust: hand-made params, signing switched off
+    (tests/badinput/test_transfer_params.py covers the signatures)."""
+    return ConnectorConfig(engine_id, insecure_unsigned_params=True, **kw)  # type: ignore[arg-type]
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 0.0
@@ -29,7 +35,7 @@ def p_params(**over: object) -> dict[str, object]:
 
 
 def test_prefill_finish_holds_blocks_and_returns_vllm_fields() -> None:
-    s = NixlScheduler(ConnectorConfig("P", side_channel_port=7000), tp_size=2)
+    s = NixlScheduler(unsigned("P", side_channel_port=7000), tp_size=2)
     req = RequestView("r1", list(range(40)), {"do_remote_decode": True})
     delay, params = s.request_finished(req, [[1, 2, 3]], aborted=False)
     assert delay and params is not None
@@ -44,14 +50,14 @@ def test_prefill_finish_holds_blocks_and_returns_vllm_fields() -> None:
 
 
 def test_aborted_prefill_frees_at_once() -> None:
-    s = NixlScheduler(ConnectorConfig("P"), tp_size=1)
+    s = NixlScheduler(unsigned("P"), tp_size=1)
     req = RequestView("r1", [1, 2, 3], {"do_remote_decode": True})
     assert s.request_finished(req, [[1]], aborted=True) == (False, None)
     assert not s.build_step_metadata().saves
 
 
 def test_decode_loads_missing_tokens_only() -> None:
-    s = NixlScheduler(ConnectorConfig("D"), tp_size=1)
+    s = NixlScheduler(unsigned("D"), tp_size=1)
     req = RequestView("d1", list(range(33)), p_params())
     s.on_new_request(req)
     assert s.get_num_new_matched_tokens(req, 16) == (16, True)
@@ -66,7 +72,7 @@ def test_decode_loads_missing_tokens_only() -> None:
 
 
 def test_full_local_hit_only_notifies() -> None:
-    s = NixlScheduler(ConnectorConfig("D"), tp_size=1)
+    s = NixlScheduler(unsigned("D"), tp_size=1)
     req = RequestView("d1", list(range(17)), p_params())
     s.on_new_request(req)
     assert s.get_num_new_matched_tokens(req, 16) == (0, False)
@@ -76,7 +82,7 @@ def test_full_local_hit_only_notifies() -> None:
 
 
 def test_abort_before_allocation_notifies_prefill() -> None:
-    s = NixlScheduler(ConnectorConfig("D"), tp_size=1)
+    s = NixlScheduler(unsigned("D"), tp_size=1)
     req = RequestView("d1", list(range(17)), p_params())
     s.on_new_request(req)
     assert s.request_finished(req, [], aborted=True) == (False, None)
@@ -85,7 +91,7 @@ def test_abort_before_allocation_notifies_prefill() -> None:
 
 def test_heartbeats_grouped_per_engine_at_interval() -> None:
     clock = Clock()
-    s = NixlScheduler(ConnectorConfig("D", lease_s=6.0), tp_size=1, clock=clock)
+    s = NixlScheduler(unsigned("D", lease_s=6.0), tp_size=1, clock=clock)
     for i in range(3):
         s.on_new_request(RequestView(f"d{i}", [1, 2, 3], p_params(remote_request_id=f"p{i}")))
     (hb,) = s.build_step_metadata().heartbeats
@@ -109,7 +115,7 @@ def test_heartbeats_grouped_per_engine_at_interval() -> None:
     ],
 )
 def test_invalid_params_are_refused_with_the_field_named(bad: dict[str, object]) -> None:
-    s = NixlScheduler(ConnectorConfig("D"), tp_size=1)
+    s = NixlScheduler(unsigned("D"), tp_size=1)
     with pytest.raises(InvalidTransferParams) as err:
         s.on_new_request(RequestView("d1", [1, 2], p_params(**bad)))
     assert "kv_transfer_params" in str(err.value) or "remote" in str(err.value)

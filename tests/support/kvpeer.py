@@ -33,9 +33,11 @@ from kvlink.bench.transfer_proc import PeerProcess, free_port_base, peer_env, py
 from kvlink.connector.api import RequestView, WorkerOutput
 from kvlink.connector.config import ConnectorConfig
 from kvlink.connector.scheduler import NixlScheduler
+from kvlink.connector.secret import SECRET_ENV, new_secret
 from kvlink.layout.spec import is_ssm
 
 SCRIPT = str(Path(__file__).resolve())
+SECRET = new_secret()  # every engine of a test run shares it, as one deployment's P and D do
 Ids = list[list[int]]
 
 
@@ -127,14 +129,15 @@ class Engine:
             for rank in range(tp):
                 rank_cfg = {**self.cfg, "rank": rank, "seed": 1000 * rank + zlib.crc32(engine_id.encode()) % 997}
                 self.peers.append(PeerProcess(
-                    python_argv(SCRIPT, rank_cfg), f"{engine_id}-r{rank}", env=peer_env(env),
+                    python_argv(SCRIPT, rank_cfg), f"{engine_id}-r{rank}",
+                    env=peer_env({**(env or {}), SECRET_ENV: SECRET}),
                     log_path=log_dir / f"{engine_id}-r{rank}.log"))
         except BaseException:
             stop_all(self.peers)
             raise
         self.sched = NixlScheduler(ConnectorConfig(
             engine_id, side_channel_port=self.port, lease_s=float(cfg.get("lease_s", 30.0)),
-            transfer_mode=cfg.get("transfer_mode", "pull")), tp)
+            transfer_mode=cfg.get("transfer_mode", "pull"), secret=SECRET.encode()), tp)
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
         for peer in self.peers:
