@@ -27,12 +27,12 @@ from typing import Any
 import httpx
 import msgspec
 import pytest
+from forge import resigned
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvlink.bench.load_cluster import Cluster, ClusterConfig, metric, wait_clean
 from kvlink.connector.notifs import Done, Heartbeat, encode
-from kvlink.connector.params import sign
 from kvlink.transfer.agent import NixlAgent
 from kvlink.transfer.framing import pack_frame
 from kvlink.transfer.side_channel import fetch_payload
@@ -100,12 +100,6 @@ def _expected_text(proxy: str, max_tokens: int) -> str:
     r = _complete(proxy, {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0})
     assert r.status_code == 200, r.text
     return str(r.json()["choices"][0]["text"])
-
-
-def resigned(params: dict[str, Any], secret: str, **changes: Any) -> dict[str, Any]:
-    """`params` changed and signed again with the deployment's secret, as only P could."""
-    changed = {**params, **changes}
-    return {**changed, "kv_signature": sign(changed, secret.encode())}
 
 
 def _held_params(p_url: str) -> dict[str, Any]:

@@ -305,3 +305,16 @@ def test_load_secret_from_file_or_env(tmp_path: Any) -> None:
     binary.write_bytes(b"\xff\xfe" * 16)
     with pytest.raises(ValueError, match="not UTF-8 text"):
         load_secret(binary, environ={})
+
+
+def test_a_field_left_out_is_signed_as_its_default() -> None:
+    """A router that drops a field D would default anyway changes nothing D acts on; dropping
+    one whose value was not the default is an alteration."""
+    params = _p_params(SECRET, PROMPT)
+    assert params["transfer_mode"] == "pull"
+    _d(SECRET).on_new_request(_View("d1", PROMPT, {k: v for k, v in params.items() if k != "transfer_mode"}))  # type: ignore[arg-type]
+    push = NixlScheduler(ConnectorConfig("P", secret=SECRET, transfer_mode="push"), tp_size=1, wall_clock=WallClock())
+    _, pushed = push.request_finished(_View("p2", PROMPT, {"do_remote_decode": True}), [[1], [2]], aborted=False)  # type: ignore[arg-type]
+    assert pushed is not None
+    with pytest.raises(ForbiddenTransferParams, match="kv_signature does not match"):
+        _d(SECRET).on_new_request(_View("d2", PROMPT, {k: v for k, v in pushed.items() if k != "transfer_mode"}))  # type: ignore[arg-type]

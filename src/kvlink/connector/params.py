@@ -108,8 +108,13 @@ _SIGNED_FIELDS = ("remote_engine_id", "remote_request_id", "remote_block_ids", "
 _SIGNATURE_DOMAIN = b"kvlink kv_transfer_params v1\n"
 
 
+# A field left out means its default, as D parses it.
+_DEFAULTS = {f.name: f.default for f in msgspec.structs.fields(RemotePrefillParams)
+             if f.default is not msgspec.NODEFAULT}
+
+
 def sign(params: dict[str, Any], secret: bytes) -> str:
-    body = json.dumps([params.get(k) for k in _SIGNED_FIELDS], separators=(",", ":"))
+    body = json.dumps([params.get(k, _DEFAULTS.get(k)) for k in _SIGNED_FIELDS], separators=(",", ":"))
     return hmac.new(secret, _SIGNATURE_DOMAIN + body.encode(), hashlib.sha256).hexdigest()
 
 
