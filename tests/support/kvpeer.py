@@ -27,6 +27,7 @@ if __name__ == "__main__":  # run as a peer process: make the sibling modules im
 
 import kvmem
 import sim
+from forge import resigned
 
 from kvlink.bench.transfer_peer import PeerServer, configure_logging, protocol_stream
 from kvlink.bench.transfer_proc import PeerProcess, free_port_base, peer_env, python_argv, stop_all
@@ -169,8 +170,8 @@ class Engine:
         step = self.sched.build_step_metadata()
         if hold:
             self.step(**dataclasses.asdict(step))
-        if transfer_mode is not None:
-            params["transfer_mode"] = transfer_mode
+        if transfer_mode is not None:  # this request only: sign it again, as P would have
+            params = resigned(params, SECRET, transfer_mode=transfer_mode)
         return params
 
     def sent(self, rids: Sequence[str]) -> bool:

@@ -2,8 +2,9 @@
 
 Every process is started in its own process group and stopped by PID with bounded
 waits (`kvlink.cli.launcher`). P and D share a secret made for this cluster (in their
-environment, not on their command lines), kept across restarts. `leaks()` reads `/debug/state` of an instance and
-names everything still held: busy blocks, leases, loads in flight, open transfers.
+environment, not on their command lines), kept across restarts. `leaks()` reads
+`/debug/state` of an instance and names everything still held: busy blocks, leases,
+loads in flight, open transfers.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ class ForbiddenTransferParams(InvalidTransferParams):
 
 
 class StaleTransferParams(ForbiddenTransferParams):
-    """Signed by P, but P's lease on the blocks is over (expired, or P restarted since)."""
+    """Signed by P, but expired: P's lease on the blocks is over, they may be reused."""
 
 
 class RemotePrefillParams(msgspec.Struct, forbid_unknown_fields=False):
@@ -106,9 +106,7 @@ _SIGNED_FIELDS = ("remote_engine_id", "remote_request_id", "remote_block_ids", "
 # Handshake frames and notifications are MACed with the same secret: a prefix of its own
 # keeps one kind of message from ever passing as another.
 _SIGNATURE_DOMAIN = b"kvlink kv_transfer_params v1\n"
-
-
-# A field left out means its default, as D parses it.
+# A field left out is signed as its default, the value D parses it as.
 _DEFAULTS = {f.name: f.default for f in msgspec.structs.fields(RemotePrefillParams)
              if f.default is not msgspec.NODEFAULT}
 
