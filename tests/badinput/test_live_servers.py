@@ -3,10 +3,12 @@
 * HTTP bodies and kv_transfer_params of wrong types, missing fields, huge or negative
   block ids, another request's blocks, unknown engines: a 4xx naming the problem, the
   server stays up, and a request streaming on the same server meanwhile is unaffected.
-* P's side channel gets truncated, oversized, wrong-version, wrong-typed and random
-  frames: each is refused and counted, and P keeps serving handshakes and requests.
-* A raw NIXL agent that loaded P's metadata from its handshake sends garbage and
-  notifications for unknown or freed requests: dropped and counted, no lease changes.
+  (Params the test re-signs with the cluster's secret reach D's load path; forgeries are
+  in test_forged_params.py.)
+* P's side channel gets truncated, oversized, unsigned, wrong-version, wrong-typed and
+  random frames: each is refused and counted, and P keeps serving handshakes and requests.
+* A raw NIXL agent that loaded P's metadata from its handshake sends unsigned garbage and
+  signed notifications for unknown requests: dropped and counted, no lease changes.
 * Everything listens on 127.0.0.1 by default.
 """
 
@@ -25,12 +27,14 @@ from typing import Any
 import httpx
 import msgspec
 import pytest
+from forge import resigned
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvlink.bench.load_cluster import Cluster, ClusterConfig, metric, wait_clean
 from kvlink.connector.notifs import Done, Heartbeat, encode
 from kvlink.transfer.agent import NixlAgent
+from kvlink.transfer.framing import pack_frame
 from kvlink.transfer.side_channel import fetch_payload
 from kvlink.transfer.wire import PROTOCOL_VERSION
 
@@ -125,14 +129,16 @@ def test_bad_http_bodies_and_params_get_4xx_while_a_stream_runs(cluster: Cluster
          "remote_engine_id"),
         ("negative block id", d_url, {"prompt": HELD_PROMPT, "kv_transfer_params":
                                       {**good, "remote_block_ids": [[-1]]}}, "invalid block ids"),
-        ("huge block id", d_url, {"prompt": HELD_PROMPT, "kv_transfer_params":
-                                  {**good, "remote_block_ids": [[2**39, 2**39 + 1], [5]]}}, "block"),
-        ("block id past P's pool", d_url, {"prompt": HELD_PROMPT, "kv_transfer_params":
-                                           {**good, "remote_block_ids": [[NUM_BLOCKS + 3], [1]]}}, "block"),
+        ("huge block id", d_url, {"prompt": HELD_PROMPT, "kv_transfer_params": resigned(
+            good, cluster.secret, remote_block_ids=[[2**39, 2**39 + 1], [5]])}, "block"),
+        ("block id past P's pool", d_url, {"prompt": HELD_PROMPT, "kv_transfer_params": resigned(
+            good, cluster.secret, remote_block_ids=[[NUM_BLOCKS + 3], [1]])}, "block"),
         ("params of another prompt", d_url, {"prompt": PROMPT + " other", "kv_transfer_params": good},
          "another prompt"),
         ("unknown engine id", d_url, {"prompt": HELD_PROMPT, "kv_transfer_params":
-                                      {**good, "remote_engine_id": "nobody"}}, "nobody"),
+                                      resigned(good, cluster.secret, remote_engine_id="nobody")}, "nobody"),
+        ("altered params", d_url, {"prompt": HELD_PROMPT, "kv_transfer_params":
+                                   {**good, "remote_engine_id": "nobody"}}, "kv_signature does not match"),
         ("do_remote_decode not a bool", p_url, {"prompt": "x", "kv_transfer_params": {"do_remote_decode": 7}},
          "do_remote_decode"),
         ("do_remote_prefill not a bool", d_url, {"prompt": "x", "kv_transfer_params": {"do_remote_prefill": "y"}},
@@ -192,16 +198,21 @@ def _send_raw(port: int, data: bytes, read: bool = True) -> bytes:
         return b"".join(chunks)
 
 
-def _frame(body: bytes) -> bytes:
-    return struct.pack(">I", len(body)) + body
-
-
 def test_side_channel_refuses_and_counts_garbage_and_keeps_serving(cluster: Cluster) -> None:
     proxy, p_url, _ = _urls(cluster)
     port = cluster.kv_port
     before = metric(p_url, "rejected_handshakes_total")
+    unauthenticated_before = metric(p_url, "unauthenticated_handshakes_total")
     enc = msgspec.msgpack.encode
+    secret = cluster.secret.encode()
+
+    def _frame(body: bytes) -> bytes:  # signed: it gets past the HMAC check to the decoder
+        return pack_frame(body, secret)
+
+    request = enc({"type": "request", "version": PROTOCOL_VERSION, "engine_id": cluster.engine_id, "tp_rank": 0})
     garbage = [
+        struct.pack(">I", len(request)) + request,  # a good request from a D without the secret
+        struct.pack(">I", 16) + b"x" * 16,  # too short to carry an HMAC
         struct.pack(">I", 100) + b"short",  # truncated
         struct.pack(">I", 2**31),  # oversized length
         _frame(enc({"type": "request", "version": 99, "engine_id": cluster.engine_id, "tp_rank": 0})),
@@ -217,7 +228,7 @@ def test_side_channel_refuses_and_counts_garbage_and_keeps_serving(cluster: Clus
         reply = _send_raw(port, data)
         assert b"agent_metadata" not in reply  # never a payload for a bad request
     # Still serving: a proper handshake and a request through the proxy.
-    payload = fetch_payload("127.0.0.1", port, cluster.engine_id, 0, 5.0)
+    payload = fetch_payload("127.0.0.1", port, cluster.engine_id, 0, 5.0, secret=secret)
     assert payload.engine_id == cluster.engine_id
     assert _complete(proxy, {"prompt": "after garbage", "max_tokens": 4}).status_code == 200
     deadline = time.monotonic() + 10
@@ -225,6 +236,7 @@ def test_side_channel_refuses_and_counts_garbage_and_keeps_serving(cluster: Clus
         assert time.monotonic() < deadline, metric(p_url, "rejected_handshakes_total")
         _complete(proxy, {"prompt": "tick", "max_tokens": 1})  # the counters refresh on steps
         time.sleep(0.5)
+    assert metric(p_url, "unauthenticated_handshakes_total") == unauthenticated_before + 2
 
 
 # ---- NIXL notifications from a raw agent ----------------------------------------------------
@@ -232,18 +244,20 @@ def test_raw_agent_notifications_are_dropped_without_touching_leases(cluster: Cl
     proxy, p_url, d_url = _urls(cluster)
     held = _held_params(p_url)
     leases_before = cluster.state("prefill")["engine"]["connector"]["leases"]
-    payload = fetch_payload("127.0.0.1", cluster.kv_port, cluster.engine_id, 0, 5.0)
+    secret = cluster.secret.encode()
+    payload = fetch_payload("127.0.0.1", cluster.kv_port, cluster.engine_id, 0, 5.0, secret=secret)
     agent = NixlAgent(f"intruder-{os.getpid()}")
     try:
         name = agent.add_remote(payload.agent_metadata)
-        bad_before = metric(p_url, "bad_notifications_total")
-        garbage = [b"", os.urandom(40), b"kvlink1:done:0:x", b"kvlink1:hb:1:{", b"kvlink9:done:1:x"]
+        bad_before = metric(p_url, "unauthenticated_notifications_total")
+        garbage = [b"", os.urandom(40), b"kvlink1:done:0:x", b"kvlink1:hb:1:{", b"kvlink9:done:1:x",
+                   encode(Done(held["remote_request_id"], 1))]  # unsigned: must not free the held one
         for raw in garbage:
             agent.send_notif(name, raw)
-        for raw in (encode(Done("no-such-request", 1)), encode(Heartbeat(("no-such-request",)))):
+        for raw in (encode(Done("no-such-request", 1), secret), encode(Heartbeat(("no-such-request",)), secret)):
             agent.send_notif(name, raw)
         deadline = time.monotonic() + 10
-        while metric(p_url, "bad_notifications_total") < bad_before + len(garbage):
+        while metric(p_url, "unauthenticated_notifications_total") < bad_before + len(garbage):
             assert time.monotonic() < deadline, "garbage notifications not counted"
             agent.get_notifs()
             _complete(proxy, {"prompt": "tick", "max_tokens": 1})

@@ -3,6 +3,7 @@ naming the field, before it changes any state of the engine or of other requests
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -12,16 +13,20 @@ from hypothesis import strategies as st
 from kvlink.connector.config import ConnectorConfig
 from kvlink.connector.params import (
     MAX_BLOCK_ID,
+    ForbiddenTransferParams,
     InvalidTransferParams,
+    StaleTransferParams,
     parse_remote_prefill,
     wants_remote_decode,
     wants_remote_prefill,
 )
 from kvlink.connector.scheduler import NixlScheduler
+from kvlink.connector.secret import MIN_SECRET_BYTES, MissingSecret, load_secret
 from kvlink.engine.engine import LLMEngine
 from kvlink.engine.model.tiny_hybrid import TinyHybridModel
 from kvlink.engine.request import SamplingParams
 
+SECRET = b"a test secret of 32 bytes or so."
 VALID: dict[str, Any] = {
     "do_remote_prefill": True, "remote_engine_id": "P", "remote_request_id": "r1",
     "remote_block_ids": [[1, 2, 3], [4]], "remote_host": "127.0.0.1", "remote_port": 5600,
@@ -79,6 +84,8 @@ def test_missing_field_is_named(field: str) -> None:
     ("tp_size", 0, "tp_size"),
     ("tp_size", 1 << 20, "tp_size"),
     ("remote_num_tokens", -3, "remote_num_tokens"),
+    ("kv_expires_at_ms", -1, "kv_expires_at_ms"),
+    ("kv_expires_at_ms", 1.5, "kv_expires_at_ms"),
     ("transfer_mode", "teleport", "transfer_mode"),
     ("remote_engine_id", 5, "remote_engine_id"),
     ("do_remote_prefill", "yes", "do_remote_prefill"),
@@ -103,7 +110,7 @@ PROMPT = [(7 * i + 3) % VOCAB for i in range(37)]
 
 def _engine() -> LLMEngine:
     model = TinyHybridModel(vocab_size=VOCAB, seed=11, eos_token_ids=())
-    scheduler = NixlScheduler(ConnectorConfig("D", side_channel_port=0), tp_size=1)
+    scheduler = NixlScheduler(ConnectorConfig("D", side_channel_port=0, secret=SECRET), tp_size=1)
     return LLMEngine(model, NUM_BLOCKS, 8, 8, scheduler, None)
 
 
@@ -147,48 +154,167 @@ def test_refused_params_leave_the_engine_and_other_requests_untouched() -> None:
         engine.step()
 
 
-# ---- params bound to their prompt, and signed with the shared secret -----------------------
+# ---- params signed by P, bound to their prompt and to P's lease ----------------------------
 class _View:
     def __init__(self, request_id: str, prompt: list[int], params: dict[str, Any] | None) -> None:
         self.request_id, self.prompt_token_ids, self.kv_transfer_params = request_id, prompt, params
         self.output_token_ids: list[int] = []
 
 
-def _p_params(secret: bytes | None, prompt: list[int]) -> dict[str, Any]:
-    p = NixlScheduler(ConnectorConfig("P", side_channel_port=5600, secret=secret), tp_size=1)
+class WallClock:
+    def __init__(self, now: float = 1.8e9) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+LEASE_S = 30.0
+
+
+def _p_params(secret: bytes | None, prompt: list[int], clock: WallClock | None = None,
+              incarnation: str | None = "inc1") -> dict[str, Any]:
+    p = NixlScheduler(ConnectorConfig("P", side_channel_port=5600, secret=secret, lease_s=LEASE_S,
+                                      insecure_unsigned_params=secret is None, incarnation=incarnation),
+                      tp_size=1, wall_clock=clock or WallClock())
     held, params = p.request_finished(_View("p1", prompt, {"do_remote_decode": True}),  # type: ignore[arg-type]
                                       [[1, 2, 3], [4]], aborted=False)
     assert held and params is not None
     return params
 
 
-def _d(secret: bytes | None) -> NixlScheduler:
-    return NixlScheduler(ConnectorConfig("D", side_channel_port=0, secret=secret), tp_size=1)
+def _d(secret: bytes | None, clock: WallClock | None = None, policy: str = "fail") -> NixlScheduler:
+    return NixlScheduler(ConnectorConfig("D", side_channel_port=0, secret=secret,
+                                         insecure_unsigned_params=secret is None,
+                                         load_failure_policy=policy),  # type: ignore[arg-type]
+                         tp_size=1, wall_clock=clock or WallClock())
 
 
-def test_params_for_another_prompt_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture(autouse=True)
+def _no_env_secret(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVLINK_SECRET", raising=False)
-    params = _p_params(None, PROMPT)
-    _d(None).on_new_request(_View("d1", PROMPT, params))  # type: ignore[arg-type]
+
+
+def test_params_for_another_prompt_are_refused() -> None:
+    params = _p_params(SECRET, PROMPT)
+    _d(SECRET).on_new_request(_View("d1", PROMPT, params))  # type: ignore[arg-type]
     with pytest.raises(InvalidTransferParams, match="another prompt"):
-        _d(None).on_new_request(_View("d2", [*PROMPT[:-1], 1], params))  # type: ignore[arg-type]
+        _d(SECRET).on_new_request(_View("d2", [*PROMPT[:-1], 1], params))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(("field", "value"), [
     ("remote_block_ids", [[7, 8, 9], [4]]),  # another request's blocks
     ("remote_engine_id", "P2"),
     ("remote_request_id", "p2"),
+    ("remote_host", "127.0.0.2"),
     ("remote_port", 5700),
+    ("tp_size", 2),
+    ("transfer_mode", "push"),
+    ("remote_incarnation", "inc0"),  # P's earlier start
+    ("kv_expires_at_ms", 2**40),  # a lease that never ends
+    ("prompt_hash", None),  # the prompt binding dropped
 ])
-def test_with_a_secret_altered_params_are_refused(monkeypatch: pytest.MonkeyPatch, field: str, value: Any) -> None:
-    monkeypatch.delenv("KVLINK_SECRET", raising=False)
-    secret = b"shared"
-    params = _p_params(secret, PROMPT)
-    _d(secret).on_new_request(_View("d1", PROMPT, params))  # type: ignore[arg-type]
-    with pytest.raises(InvalidTransferParams, match="kv_signature does not match"):
-        _d(secret).on_new_request(_View("d2", PROMPT, {**params, field: value}))  # type: ignore[arg-type]
-    with pytest.raises(InvalidTransferParams, match="no kv_signature"):
+def test_altered_params_are_forbidden(field: str, value: Any) -> None:
+    params = _p_params(SECRET, PROMPT)
+    _d(SECRET).on_new_request(_View("d1", PROMPT, params))  # type: ignore[arg-type]
+    d = _d(SECRET)
+    with pytest.raises(ForbiddenTransferParams, match="kv_signature does not match"):
+        d.on_new_request(_View("d2", PROMPT, {**params, field: value}))  # type: ignore[arg-type]
+    with pytest.raises(ForbiddenTransferParams, match="no kv_signature"):
         unsigned = {k: v for k, v in params.items() if k != "kv_signature"}
-        _d(secret).on_new_request(_View("d3", PROMPT, unsigned))  # type: ignore[arg-type]
-    with pytest.raises(InvalidTransferParams, match="kv_signature does not match"):
-        _d(b"other").on_new_request(_View("d4", PROMPT, params))  # type: ignore[arg-type]
+        d.on_new_request(_View("d3", PROMPT, unsigned))  # type: ignore[arg-type]
+    with pytest.raises(ForbiddenTransferParams, match="kv_signature does not match"):
+        _d(b"another secret, also long enough").on_new_request(_View("d4", PROMPT, params))  # type: ignore[arg-type]
+    with pytest.raises(ForbiddenTransferParams, match="kv_signature does not match"):
+        d.on_new_request(_View("d5", PROMPT, {**params, "kv_signature": "é" * 64}))  # type: ignore[arg-type]
+    assert not d.has_pending_work(), "a refused request left state behind"
+
+
+def test_params_expire_with_the_lease_p_granted() -> None:
+    clock = WallClock()
+    params = _p_params(SECRET, PROMPT, clock)
+    assert params["kv_expires_at_ms"] == int((clock.now + LEASE_S) * 1000)
+    clock.now += LEASE_S - 0.5
+    _d(SECRET, clock).on_new_request(_View("d1", PROMPT, params))  # type: ignore[arg-type]
+    clock.now += 1.0
+    d = _d(SECRET, clock)
+    with pytest.raises(StaleTransferParams, match=r"expired 0\.5s ago"):
+        d.on_new_request(_View("d2", PROMPT, params))  # type: ignore[arg-type]
+    assert not d.has_pending_work()
+    # Under load_failure_policy recompute D prefills it itself: no load, nothing read from P.
+    lenient = _d(SECRET, clock, policy="recompute")
+    view = _View("d3", PROMPT, params)
+    lenient.on_new_request(view)  # type: ignore[arg-type]
+    assert lenient.get_num_new_matched_tokens(view, 0) == (0, False)  # type: ignore[arg-type]
+    assert not lenient.build_step_metadata().loads and not lenient.has_pending_work()
+
+
+def test_forged_params_are_refused_even_under_recompute() -> None:
+    params = _p_params(SECRET, PROMPT)
+    with pytest.raises(ForbiddenTransferParams, match="kv_signature does not match"):
+        _d(SECRET, policy="recompute").on_new_request(  # type: ignore[arg-type]
+            _View("d1", PROMPT, {**params, "remote_block_ids": [[9, 10, 11], [4]]}))
+
+
+def test_signed_params_without_an_expiry_are_forbidden() -> None:
+    from kvlink.connector.params import sign
+
+    params = {k: v for k, v in _p_params(SECRET, PROMPT).items() if k != "kv_expires_at_ms"}
+    params["kv_signature"] = sign(params, SECRET)
+    with pytest.raises(ForbiddenTransferParams, match="no kv_expires_at_ms"):
+        _d(SECRET).on_new_request(_View("d1", PROMPT, params))  # type: ignore[arg-type]
+
+
+def test_no_secret_and_no_opt_out_refuses_to_build_a_connector(monkeypatch: pytest.MonkeyPatch) -> None:
+    for engine_id in ("P", "D"):
+        with pytest.raises(MissingSecret, match=r"KVLINK_SECRET.*--secret-file.*--insecure-unsigned-params"):
+            NixlScheduler(ConnectorConfig(engine_id), tp_size=1)
+    # The opt-out: unsigned params are made and accepted (the old, unsafe behaviour).
+    params = _p_params(None, PROMPT)
+    assert "kv_signature" not in params
+    _d(None).on_new_request(_View("d1", PROMPT, params))  # type: ignore[arg-type]
+    # $KVLINK_SECRET counts as configured.
+    monkeypatch.setenv("KVLINK_SECRET", SECRET.decode())
+    env_d = NixlScheduler(ConnectorConfig("D"), tp_size=1)
+    with pytest.raises(ForbiddenTransferParams, match="no kv_signature"):
+        env_d.on_new_request(_View("d2", PROMPT, params))  # type: ignore[arg-type]
+    env_d.on_new_request(_View("d3", PROMPT, _p_params(SECRET, PROMPT)))  # type: ignore[arg-type]
+
+
+def test_load_secret_from_file_or_env(tmp_path: Any) -> None:
+    good = tmp_path / "secret"
+    good.write_text("s" * MIN_SECRET_BYTES + "\n")
+    assert load_secret(good, environ={}) == b"s" * MIN_SECRET_BYTES
+    assert load_secret(good, environ={"KVLINK_SECRET": "e" * 20}) == b"s" * MIN_SECRET_BYTES
+    assert load_secret(None, environ={"KVLINK_SECRET": "e" * 20}) == b"e" * 20
+    assert load_secret(None, environ={}) is None
+    short = tmp_path / "short"
+    short.write_text("abc")
+    with pytest.raises(ValueError, match=re.escape(f"--secret-file {short} holds a secret of 3 bytes; it "
+                                                   f"must be at least {MIN_SECRET_BYTES} bytes")):
+        load_secret(short, environ={})
+    with pytest.raises(ValueError, match="KVLINK_SECRET holds a secret of 5 bytes"):
+        load_secret(None, environ={"KVLINK_SECRET": "short"})
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match="is empty"):
+        load_secret(empty, environ={})
+    with pytest.raises(ValueError, match="cannot read it"):
+        load_secret(tmp_path / "missing", environ={})
+    binary = tmp_path / "binary"
+    binary.write_bytes(b"\xff\xfe" * 16)
+    with pytest.raises(ValueError, match="not UTF-8 text"):
+        load_secret(binary, environ={})
+
+
+def test_a_field_left_out_is_signed_as_its_default() -> None:
+    """A router that drops a field D would default anyway changes nothing D acts on; dropping
+    one whose value was not the default is an alteration."""
+    params = _p_params(SECRET, PROMPT)
+    assert params["transfer_mode"] == "pull"
+    _d(SECRET).on_new_request(_View("d1", PROMPT, {k: v for k, v in params.items() if k != "transfer_mode"}))  # type: ignore[arg-type]
+    push = NixlScheduler(ConnectorConfig("P", secret=SECRET, transfer_mode="push"), tp_size=1, wall_clock=WallClock())
+    _, pushed = push.request_finished(_View("p2", PROMPT, {"do_remote_decode": True}), [[1], [2]], aborted=False)  # type: ignore[arg-type]
+    assert pushed is not None
+    with pytest.raises(ForbiddenTransferParams, match="kv_signature does not match"):
+        _d(SECRET).on_new_request(_View("d2", PROMPT, {k: v for k, v in pushed.items() if k != "transfer_mode"}))  # type: ignore[arg-type]

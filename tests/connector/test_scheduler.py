@@ -11,6 +11,12 @@ from kvlink.connector.scheduler import NixlScheduler
 from kvlink.layout.presets import TINY_HYBRID
 
 
+def unsigned(engine_id: str, **kw: object) -> ConnectorConfig:
+    """These tests are about scheduling, not trust: hand-made params, signing switched off
+    (tests/badinput/test_transfer_params.py covers the signatures)."""
+    return ConnectorConfig(engine_id, insecure_unsigned_params=True, **kw)  # type: ignore[arg-type]
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 0.0
@@ -30,7 +36,7 @@ def p_params(**over: object) -> dict[str, object]:
 
 
 def test_prefill_finish_holds_blocks_and_returns_vllm_fields() -> None:
-    s = NixlScheduler(ConnectorConfig("P", side_channel_port=7000), tp_size=2)
+    s = NixlScheduler(unsigned("P", side_channel_port=7000), tp_size=2)
     req = RequestView("r1", list(range(40)), {"do_remote_decode": True})
     delay, params = s.request_finished(req, [[1, 2, 3]], aborted=False)
     assert delay and params is not None
@@ -45,14 +51,14 @@ def test_prefill_finish_holds_blocks_and_returns_vllm_fields() -> None:
 
 
 def test_aborted_prefill_frees_at_once() -> None:
-    s = NixlScheduler(ConnectorConfig("P"), tp_size=1)
+    s = NixlScheduler(unsigned("P"), tp_size=1)
     req = RequestView("r1", [1, 2, 3], {"do_remote_decode": True})
     assert s.request_finished(req, [[1]], aborted=True) == (False, None)
     assert not s.build_step_metadata().saves
 
 
 def test_decode_loads_missing_tokens_only() -> None:
-    s = NixlScheduler(ConnectorConfig("D"), tp_size=1)
+    s = NixlScheduler(unsigned("D"), tp_size=1)
     req = RequestView("d1", list(range(33)), p_params())
     s.on_new_request(req)
     assert s.get_num_new_matched_tokens(req, 16) == (16, True)
@@ -67,7 +73,7 @@ def test_decode_loads_missing_tokens_only() -> None:
 
 
 def test_full_local_hit_only_notifies() -> None:
-    s = NixlScheduler(ConnectorConfig("D"), tp_size=1)
+    s = NixlScheduler(unsigned("D"), tp_size=1)
     req = RequestView("d1", list(range(17)), p_params())
     s.on_new_request(req)
     assert s.get_num_new_matched_tokens(req, 16) == (0, False)
@@ -77,7 +83,7 @@ def test_full_local_hit_only_notifies() -> None:
 
 
 def test_full_local_hit_of_a_hybrid_model_still_loads_the_state() -> None:
-    s = NixlScheduler(ConnectorConfig("D"), tp_size=1, model=TINY_HYBRID)
+    s = NixlScheduler(unsigned("D"), tp_size=1, model=TINY_HYBRID)
     req = RequestView("d1", list(range(17)), p_params())
     s.on_new_request(req)
     assert s.get_num_new_matched_tokens(req, 16) == (0, True)
@@ -91,7 +97,7 @@ def test_full_local_hit_of_a_hybrid_model_still_loads_the_state() -> None:
 
 def test_one_token_prompt_of_a_hybrid_model_only_notifies() -> None:
     """No token precedes it: D starts from the zero state, so nothing moves."""
-    s = NixlScheduler(ConnectorConfig("D"), tp_size=1, model=TINY_HYBRID)
+    s = NixlScheduler(unsigned("D"), tp_size=1, model=TINY_HYBRID)
     req = RequestView("d1", [7], p_params())
     s.on_new_request(req)
     assert s.get_num_new_matched_tokens(req, 0) == (0, False)
@@ -99,7 +105,7 @@ def test_one_token_prompt_of_a_hybrid_model_only_notifies() -> None:
 
 
 def test_abort_before_allocation_notifies_prefill() -> None:
-    s = NixlScheduler(ConnectorConfig("D"), tp_size=1)
+    s = NixlScheduler(unsigned("D"), tp_size=1)
     req = RequestView("d1", list(range(17)), p_params())
     s.on_new_request(req)
     assert s.request_finished(req, [], aborted=True) == (False, None)
@@ -108,7 +114,7 @@ def test_abort_before_allocation_notifies_prefill() -> None:
 
 def test_heartbeats_grouped_per_engine_at_interval() -> None:
     clock = Clock()
-    s = NixlScheduler(ConnectorConfig("D", lease_s=6.0), tp_size=1, clock=clock)
+    s = NixlScheduler(unsigned("D", lease_s=6.0), tp_size=1, clock=clock)
     for i in range(3):
         s.on_new_request(RequestView(f"d{i}", [1, 2, 3], p_params(remote_request_id=f"p{i}")))
     (hb,) = s.build_step_metadata().heartbeats
@@ -132,7 +138,7 @@ def test_heartbeats_grouped_per_engine_at_interval() -> None:
     ],
 )
 def test_invalid_params_are_refused_with_the_field_named(bad: dict[str, object]) -> None:
-    s = NixlScheduler(ConnectorConfig("D"), tp_size=1)
+    s = NixlScheduler(unsigned("D"), tp_size=1)
     with pytest.raises(InvalidTransferParams) as err:
         s.on_new_request(RequestView("d1", [1, 2], p_params(**bad)))
     assert "kv_transfer_params" in str(err.value) or "remote" in str(err.value)

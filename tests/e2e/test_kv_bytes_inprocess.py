@@ -19,6 +19,7 @@ import torch
 
 from kvlink.connector.config import ConnectorConfig
 from kvlink.connector.scheduler import NixlScheduler
+from kvlink.connector.secret import new_secret
 from kvlink.connector.worker import NixlWorker
 from kvlink.engine.engine import LLMEngine
 from kvlink.engine.request import RequestOutput, RequestStatus, SamplingParams
@@ -29,6 +30,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 NUM_BLOCKS, BLOCK = 24, 16
 P_KERNEL, D_KERNEL = 16, 8
 DEADLINE_S = 30.0
+SECRET = new_secret().encode()  # P and D of this test share it
 
 
 @pytest.fixture(scope="module", params=["tiny-hybrid", "smollm2-135m"])
@@ -40,7 +42,7 @@ def model(request: pytest.FixtureRequest) -> Any:
 
 
 def connected_engine(name: str, model: Any, kernel: int) -> tuple[LLMEngine, NixlWorker]:
-    config = ConnectorConfig(name, side_channel_port=0, stall_timeout_s=10.0)
+    config = ConnectorConfig(name, side_channel_port=0, stall_timeout_s=10.0, secret=SECRET)
     scheduler = NixlScheduler(config, tp_size=1, model=model.spec)
     worker = NixlWorker(config, model.spec, 1, 0, BLOCK, kernel, NUM_BLOCKS)
     engine = LLMEngine(model, NUM_BLOCKS, BLOCK, kernel, scheduler, worker)

@@ -7,6 +7,7 @@ import json
 import math
 import random
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -19,6 +20,7 @@ from e2e_helpers import (
     completion_text,
     spec,
 )
+from forge import resigned
 
 from kvlink.bench.load_cluster import metric
 from kvlink.bench.serve_cluster import Cluster
@@ -175,23 +177,25 @@ def test_openai_client_through_the_proxy(smollm: Cluster) -> None:
 def test_bad_requests_get_4xx_saying_why_and_leak_nothing(smollm: Cluster) -> None:
     proxy, decode, _ = urls(smollm)
     engine_id, kv_port = smollm.connectors["prefill"]
-    remote = {"do_remote_prefill": True, "remote_engine_id": engine_id, "remote_request_id": "gone",
-              "remote_block_ids": [[1]], "remote_host": "127.0.0.1", "remote_port": kv_port,
-              "tp_size": 1}
+    unsigned = {"do_remote_prefill": True, "remote_engine_id": engine_id, "remote_request_id": "gone",
+                "remote_block_ids": [[1]], "remote_host": "127.0.0.1", "remote_port": kv_port,
+                "tp_size": 1}
+    remote = resigned(unsigned, smollm.secret)  # the test plays P, so D's load path is reached
     too_long = [100] * (NUM_BLOCKS * BLOCK_SIZE + 10)
     cases: list[tuple[str, str, dict[str, object], str]] = [
         ("direct to D: params missing a field", decode,
          {"kv_transfer_params": {"do_remote_prefill": True}}, "remote_engine_id"),
         ("direct to D: params not an object", decode, {"kv_transfer_params": "x"}, "kv_transfer_params"),
+        ("direct to D: unsigned params", decode, {"kv_transfer_params": unsigned}, "no kv_signature"),
         ("direct to D: bad port", decode,
          {"kv_transfer_params": {**remote, "remote_port": 70000}}, "not a TCP port"),
         ("direct to D: unknown remote engine", decode,
-         {"kv_transfer_params": {**remote, "remote_engine_id": "nope"}}, "not 'nope'"),
+         {"kv_transfer_params": resigned(remote, smollm.secret, remote_engine_id="nope")}, "not 'nope'"),
         ("direct to D: unreachable side channel", decode,
-         {"kv_transfer_params": {**remote, "remote_engine_id": "elsewhere",
-                                 "remote_port": free_port()}}, "Connection refused"),
+         {"kv_transfer_params": resigned(remote, smollm.secret, remote_engine_id="elsewhere",
+                                         remote_port=free_port())}, "Connection refused"),
         ("direct to D: block ids out of range", decode,
-         {"kv_transfer_params": {**remote, "remote_block_ids": [[NUM_BLOCKS + 5]]}},
+         {"kv_transfer_params": resigned(remote, smollm.secret, remote_block_ids=[[NUM_BLOCKS + 5]])},
          f"[0, {NUM_BLOCKS})"),
         ("direct to D: prompt longer than the context", decode,
          {"prompt": too_long, "kv_transfer_params": remote}, "maximum context length"),
@@ -217,6 +221,23 @@ def test_bad_requests_get_4xx_saying_why_and_leak_nothing(smollm: Cluster) -> No
     # D still serves after refusing all of that.
     assert complete(proxy, "The capital of France is", 2).status_code == 200
     assert_clean(smollm)
+
+
+def test_the_secret_is_on_no_command_line(smollm_p3_d1: Cluster) -> None:
+    """P's TP followers get the secret in their environment: every local user can read argv."""
+    assert smollm_p3_d1.prefill is not None
+    followers, showing = 0, []
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes()
+            session = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[3])
+        except (OSError, ValueError, IndexError):
+            continue
+        followers += session == smollm_p3_d1.prefill.proc.pid and b"kvlink.engine.tp_worker" in argv
+        if smollm_p3_d1.secret.encode() in argv:
+            showing.append(argv.replace(b"\0", b" ")[:120])
+    assert followers == 2, "expected P's two TP follower processes"
+    assert not showing, showing
 
 
 def test_heterogeneous_tp_p3_d1_equals_colocated(smollm: Cluster, smollm_p3_d1: Cluster) -> None:

@@ -27,6 +27,7 @@ if __name__ == "__main__":  # run as a peer process: make the sibling modules im
 
 import kvmem
 import sim
+from forge import resigned
 
 from kvlink.bench.transfer_peer import (
     PeerServer,
@@ -38,9 +39,11 @@ from kvlink.bench.transfer_proc import PeerProcess, free_port_base, peer_env, py
 from kvlink.connector.api import RequestView, WorkerOutput
 from kvlink.connector.config import ConnectorConfig
 from kvlink.connector.scheduler import NixlScheduler
+from kvlink.connector.secret import SECRET_ENV, new_secret
 from kvlink.layout.spec import is_ssm
 
 SCRIPT = str(Path(__file__).resolve())
+SECRET = new_secret()  # every engine of a test run shares it, as one deployment's P and D do
 Ids = list[list[int]]
 
 
@@ -132,14 +135,16 @@ class Engine:
             for rank in range(tp):
                 rank_cfg = {**self.cfg, "rank": rank, "seed": 1000 * rank + zlib.crc32(engine_id.encode()) % 997}
                 self.peers.append(PeerProcess(
-                    python_argv(SCRIPT, rank_cfg), f"{engine_id}-r{rank}", env=peer_env(env),
+                    python_argv(SCRIPT, rank_cfg), f"{engine_id}-r{rank}",
+                    env=peer_env({**(env or {}), SECRET_ENV: SECRET}),
                     log_path=log_dir / f"{engine_id}-r{rank}.log"))
         except BaseException:
             stop_all(self.peers)
             raise
         self.sched = NixlScheduler(ConnectorConfig(
             engine_id, side_channel_port=self.port, lease_s=float(cfg.get("lease_s", 30.0)),
-            transfer_mode=cfg.get("transfer_mode", "pull")), tp, model=model_from_config(self.cfg))
+            transfer_mode=cfg.get("transfer_mode", "pull"), secret=SECRET.encode()), tp,
+            model=model_from_config(self.cfg))
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
         for peer in self.peers:
@@ -171,8 +176,8 @@ class Engine:
         step = self.sched.build_step_metadata()
         if hold:
             self.step(**dataclasses.asdict(step))
-        if transfer_mode is not None:
-            params["transfer_mode"] = transfer_mode
+        if transfer_mode is not None:  # this request only: sign it again, as P would have
+            params = resigned(params, SECRET, transfer_mode=transfer_mode)
         return params
 
     def sent(self, rids: Sequence[str]) -> bool:

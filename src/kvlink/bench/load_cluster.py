@@ -1,8 +1,10 @@
 """A local 1P1D cluster (prefill, decode, proxy, optional colocated reference) for load and fault runs.
 
 Every process is started in its own process group and stopped by PID with bounded
-waits (`kvlink.cli.launcher`). `leaks()` reads `/debug/state` of an instance and
-names everything still held: busy blocks, leases, loads in flight, open transfers.
+waits (`kvlink.cli.launcher`). P and D share a secret made for this cluster (in their
+environment, not on their command lines), kept across restarts. `leaks()` reads
+`/debug/state` of an instance and names everything still held: busy blocks, leases,
+loads in flight, open transfers.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 import httpx
 
 from kvlink.cli.launcher import Service, free_port, start_service, stop_all, wait_healthy
+from kvlink.connector.secret import SECRET_ENV, new_secret
 from kvlink.layout.limits import (
     BLOCK_SIZE,
     NUM_BLOCKS,
@@ -70,6 +73,7 @@ class Cluster:
         self.kv_port = free_port()
         self.ref_port = free_port()
         self.engine_id = f"P-{os.getpid()}-{self.p_port}"
+        self.secret = new_secret()  # signs P's kv_transfer_params, authenticates handshakes
         self.prefill: Service | None = None
         self.decode: Service | None = None
         self.proxy: Service | None = None
@@ -99,7 +103,8 @@ class Cluster:
         self.prefill = self._start("prefill", [
             "serve", "--role", "prefill", "--host", c.prefill_host, "--port", str(self.p_port),
             "--kv-port", str(self.kv_port), "--engine-id", self.engine_id, "--lease-s", str(c.lease_s),
-            *self._common(), *c.prefill_args], self.p_port, c.prefill_host, c.prefill_netns, {**c.env, **c.prefill_env})
+            *self._common(), *c.prefill_args], self.p_port, c.prefill_host, c.prefill_netns,
+            {**c.env, SECRET_ENV: self.secret, **c.prefill_env})
         return self.prefill
 
     def start_decode(self) -> Service:
@@ -110,7 +115,7 @@ class Cluster:
             "--stall-timeout-s", str(c.stall_timeout_s), "--lease-s", str(c.lease_s),
             "--quarantine-s", str(c.quarantine_s),
             "--load-failure-policy", c.load_failure_policy, *self._common()],
-            self.d_port, c.decode_host, c.decode_netns, {**c.env, **c.decode_env})
+            self.d_port, c.decode_host, c.decode_netns, {**c.env, SECRET_ENV: self.secret, **c.decode_env})
         return self.decode
 
     def start_proxy(self) -> Service:

@@ -2,7 +2,8 @@
 
 One prefill instance, one decode instance and the proxy in front of them, plus
 (optionally) a colocated instance to compare against; every process on loopback,
-free ports, its own process group and log file, stopped by PID.
+free ports, its own process group and log file, stopped by PID. P and D share a secret
+made for this deployment, passed in their environment (not on a command line).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvlink.cli.launcher import Service, free_port, start_service, stop_all, wait_healthy
+from kvlink.connector.secret import SECRET_ENV, new_secret
 from kvlink.layout.limits import (
     BLOCK_SIZE,
     MAX_TOKENS,
@@ -94,6 +96,7 @@ class Cluster:
     colocated: Service | None = None
     # Connector side channels of P and D: service name -> (engine id, KV port)
     connectors: dict[str, tuple[str, int]] = field(default_factory=dict)
+    secret: str = field(default_factory=new_secret)  # shared by P and D of this deployment
 
     def stop(self, timeout_s: float = 15.0) -> None:
         stop_all(self.services, timeout_s)
@@ -132,12 +135,12 @@ def start_cluster(spec: ClusterSpec, log_dir: Path, progress: Progress = print,
             cluster.prefill = start_service(
                 "prefill", _serve_args(spec, "prefill", p_port, spec.prefill_tp, place.threads_per_rank,
                                        cluster.connectors),
-                p_port, log_dir, cpus=place.prefill_cpus)
+                p_port, log_dir, env={SECRET_ENV: cluster.secret}, cpus=place.prefill_cpus)
             cluster.services.append(cluster.prefill)
             cluster.decode = start_service(
                 "decode", _serve_args(spec, "decode", d_port, spec.decode_tp, place.threads_per_rank,
                                       cluster.connectors),
-                d_port, log_dir, cpus=place.decode_cpus)
+                d_port, log_dir, env={SECRET_ENV: cluster.secret}, cpus=place.decode_cpus)
             cluster.services.append(cluster.decode)
             cluster.proxy = start_service(
                 "proxy", ["proxy", "--prefill", cluster.prefill.url, "--decode", cluster.decode.url,

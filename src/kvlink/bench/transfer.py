@@ -37,6 +37,7 @@ from kvlink.bench.transfer_proc import (
 from kvlink.connector.api import RequestView
 from kvlink.connector.config import ConnectorConfig
 from kvlink.connector.scheduler import NixlScheduler
+from kvlink.connector.secret import SECRET_ENV, new_secret
 from kvlink.layout.geometry import build_worker_geometry, packed_base_addrs
 from kvlink.layout.limits import (
     BLOCK_SIZE,
@@ -127,7 +128,7 @@ class _Side:
     """The P or D engine of the benchmark: tp worker processes and a scheduler side."""
 
     def __init__(self, engine_id: str, tp: int, options: BenchOptions, sizes: dict[str, Any],
-                 log_dir: Path, fill: str, env: dict[str, str]) -> None:
+                 log_dir: Path, fill: str, env: dict[str, str], secret: str) -> None:
         self.engine_id, self.tp = engine_id, tp
         self.port = free_port_base(tp)
         cfg = {"engine_id": engine_id, "tp": tp, "port": self.port, "model": options.preset,
@@ -137,11 +138,13 @@ class _Side:
                "active_poll_s": float(os.environ.get("KVLINK_BENCH_POLL_S", "0.001"))}
         self.peers = [
             PeerProcess(python_argv(NODE, {**cfg, "rank": r}), f"{engine_id}-r{r}",
-                        env=peer_env(env if r == 0 else None), log_path=log_dir / f"{engine_id}-r{r}.log")
+                        env=peer_env({**(env if r == 0 else {}), SECRET_ENV: secret}),
+                        log_path=log_dir / f"{engine_id}-r{r}.log")
             for r in range(tp)
         ]
         self.sched = NixlScheduler(ConnectorConfig(engine_id, side_channel_port=self.port, lease_s=120.0,
-                                                   transfer_mode=options.mode), tp)  # type: ignore[arg-type]
+                                                   transfer_mode=options.mode,  # type: ignore[arg-type]
+                                                   secret=secret.encode()), tp)
 
 
 def _ucx_get_protocol(log: str) -> str:
@@ -176,8 +179,9 @@ def run_bench(options: BenchOptions, log: Log = print) -> dict[str, Any]:
     log_dir = Path(tempfile.mkdtemp(prefix="kvlink-bench-transfer-"))
     ucx_env = {"UCX_PROTO_INFO": "y"}
     started = time.perf_counter()
-    p = _Side("benchP", options.p_tp, options, sizes, log_dir, "pattern", {})
-    d = _Side("benchD", options.d_tp, options, sizes, log_dir, "fill", ucx_env)
+    secret = new_secret()  # one deployment: P and D sign their params and notifications with it
+    p = _Side("benchP", options.p_tp, options, sizes, log_dir, "pattern", {}, secret)
+    d = _Side("benchD", options.d_tp, options, sizes, log_dir, "fill", ucx_env, secret)
     peers = p.peers + d.peers
     try:
         for peer in peers:

@@ -68,6 +68,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run NIXL's progress thread (sleeps up to 1 ms between polls), so a "
                              "peer's READs of this instance's KV progress while a forward pass "
                              "runs (default: on; without it KV moves wait for the engine loop)")
+    parser.add_argument("--secret-file", default=None, metavar="PATH",
+                        help="P and D roles: file holding the deployment's shared secret (default: "
+                             "$KVLINK_SECRET); P signs kv_transfer_params with it, D refuses any "
+                             "it cannot verify. Required unless --insecure-unsigned-params")
+    parser.add_argument("--insecure-unsigned-params", action="store_true",
+                        help="P and D roles: run without a shared secret; any client that reaches D "
+                             "can then make it read other requests' KV from P (logged as a WARNING, "
+                             "shown on /health and /metrics)")
     parser.add_argument("--log-level", type=str.lower, default="info",
                         choices=("debug", "info", "warning", "error", "critical"))
 
@@ -118,8 +126,10 @@ def run(args: argparse.Namespace) -> int:
     metrics = MetricsRegistry("kvlink_server")
     if served.connector_metrics is not None:
         metrics.fragments.append(served.connector_metrics)
+    if args.role != "both" and args.insecure_unsigned_params:
+        metrics.gauges["insecure_unsigned_params"] = lambda: 1.0
     app = build_app(engine, served.tokenizer, served.model_name, args.role, metrics,
-                    max_model_len=served.max_model_len)
+                    max_model_len=served.max_model_len, warnings=served.warnings)
     url = f"http://{args.host}:{args.port}"
     app.router.add_event_handler(
         "startup", lambda: print(f"kvlink {args.role} instance serving {served.model_name} "

@@ -53,10 +53,13 @@ class LoadFailure:
     `bad_params`: the request's `kv_transfer_params` name a peer or blocks that cannot be
     used (side channel unreachable or serving another engine, incompatible layout, block
     ids outside the peer's pool). Sending the same request again fails again.
+    `forbidden`: the params no longer grant access to P's blocks (P restarted since it made
+    them): nothing was read, and reading would have returned another request's KV.
     """
 
     reason: str
     bad_params: bool = False
+    forbidden: bool = False
 
 
 @dataclass

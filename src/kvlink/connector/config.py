@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from kvlink.connector.api import LoadFailurePolicy, TransferMode
@@ -28,7 +27,10 @@ class ConnectorConfig:
     engine_ttl_s: float = bounded(SECONDS, 600.0)
     load_failure_policy: LoadFailurePolicy = "fail"
     transfer_mode: TransferMode = "pull"
+    # Shared by every P and D (see connector/secret.py); None: `$KVLINK_SECRET`. The scheduler
+    # side refuses to run without one unless `insecure_unsigned_params` opts out explicitly.
     secret: bytes | None = None
+    insecure_unsigned_params: bool = False
     # One start of this engine, shared by its scheduler side and every worker rank (set it
     # once per process start, e.g. a random token). P's params and agent names carry it, so
     # D can tell a restarted P (same engine id and port, fresh memory) from the one that
@@ -54,8 +56,3 @@ class ConnectorConfig:
     @property
     def lease_extension_s(self) -> float:
         return self.lease_s * 2 / 3
-
-    @staticmethod
-    def secret_from_env() -> bytes | None:
-        value = os.environ.get("KVLINK_SECRET")
-        return value.encode() if value else None

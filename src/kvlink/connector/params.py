@@ -1,10 +1,11 @@
 """`kv_transfer_params`: the fields routers pass between P and D, validated before use.
 
-Field names follow vLLM's NixlConnector so existing routers work unchanged. P adds two
-fields of its own: `prompt_hash` (D refuses params made for another prompt: a router that
-mixed up two requests would otherwise decode from the wrong KV) and, with a shared secret,
-`kv_signature`, an HMAC over everything D acts on, so a client that can reach D cannot
-point it at blocks of another request or another engine.
+Field names follow vLLM's NixlConnector so existing routers work unchanged. P adds fields
+of its own: `prompt_hash` (D refuses params made for another prompt: a router that mixed
+up two requests would otherwise decode from the wrong KV), `kv_expires_at_ms` (when P's
+lease on the blocks ends if no decoder claims them: later, they may hold another request's
+KV) and `kv_signature`, an HMAC with the shared secret over everything D acts on, so a
+client that can reach D cannot point it at blocks of another request or another engine.
 """
 
 from __future__ import annotations
@@ -24,6 +25,15 @@ class InvalidTransferParams(ValueError):
     """A client or router sent `kv_transfer_params` we cannot use; the message says why."""
 
 
+class ForbiddenTransferParams(InvalidTransferParams):
+    """Params that do not prove P made them for this request now: unsigned, altered, expired,
+    or from an earlier start of P. Nothing is read with them (HTTP 403)."""
+
+
+class StaleTransferParams(ForbiddenTransferParams):
+    """Signed by P, but expired: P's lease on the blocks is over, they may be reused."""
+
+
 class RemotePrefillParams(msgspec.Struct, forbid_unknown_fields=False):
     """What D needs to pull a request's KV from P (P's answer, forwarded by the proxy)."""
 
@@ -40,6 +50,7 @@ class RemotePrefillParams(msgspec.Struct, forbid_unknown_fields=False):
     prompt_hash: str | None = None
     kv_signature: str | None = None
     remote_incarnation: str | None = None
+    kv_expires_at_ms: int | None = None  # Unix time in ms on P's clock: end of P's lease
 
 
 def _normalize_block_ids(raw: Any) -> Any:
@@ -76,6 +87,8 @@ def parse_remote_prefill(params: dict[str, Any]) -> RemotePrefillParams:
             )
         if len(set(ids)) != len(ids):
             raise InvalidTransferParams(f"kv_transfer_params.remote_block_ids[{group}] repeats a block id")
+    if parsed.kv_expires_at_ms is not None and parsed.kv_expires_at_ms < 0:
+        raise InvalidTransferParams("kv_transfer_params.kv_expires_at_ms must be >= 0")
     if parsed.remote_num_tokens is not None and parsed.remote_num_tokens < 0:
         raise InvalidTransferParams("kv_transfer_params.remote_num_tokens must be >= 0")
     return parsed
@@ -88,32 +101,50 @@ def prompt_hash(prompt_token_ids: Sequence[int]) -> str:
 
 
 _SIGNED_FIELDS = ("remote_engine_id", "remote_request_id", "remote_block_ids", "remote_host",
-                  "remote_port", "tp_size", "transfer_mode", "prompt_hash", "remote_incarnation")
+                  "remote_port", "tp_size", "transfer_mode", "prompt_hash", "remote_incarnation",
+                  "kv_expires_at_ms")
+# Handshake frames and notifications are MACed with the same secret: a prefix of its own
+# keeps one kind of message from ever passing as another.
+_SIGNATURE_DOMAIN = b"kvlink kv_transfer_params v1\n"
+# A field left out is signed as its default, the value D parses it as.
+_DEFAULTS = {f.name: f.default for f in msgspec.structs.fields(RemotePrefillParams)
+             if f.default is not msgspec.NODEFAULT}
 
 
 def sign(params: dict[str, Any], secret: bytes) -> str:
-    body = json.dumps([params.get(k) for k in _SIGNED_FIELDS], separators=(",", ":"))
-    return hmac.new(secret, body.encode(), hashlib.sha256).hexdigest()
+    body = json.dumps([params.get(k, _DEFAULTS.get(k)) for k in _SIGNED_FIELDS], separators=(",", ":"))
+    return hmac.new(secret, _SIGNATURE_DOMAIN + body.encode(), hashlib.sha256).hexdigest()
 
 
 def check_integrity(parsed: RemotePrefillParams, prompt_token_ids: Sequence[int],
-                    secret: bytes | None) -> None:
-    """Refuse params made for another prompt, and (with a secret) params P did not sign."""
+                    secret: bytes | None, now_s: float) -> None:
+    """Refuse params P did not sign with `secret` (None: the operator opted out of signing),
+    params whose lease ended before `now_s` (Unix time), and params made for another prompt."""
+    if secret is not None:
+        if parsed.kv_signature is None:
+            raise ForbiddenTransferParams(
+                "kv_transfer_params carry no kv_signature, but this instance only accepts params "
+                "signed by a prefill instance sharing its secret; send the params P returned, unchanged")
+        fields = msgspec.structs.asdict(parsed)
+        if not hmac.compare_digest(parsed.kv_signature.encode(), sign(fields, secret).encode()):
+            raise ForbiddenTransferParams(
+                "kv_transfer_params.kv_signature does not match: the params were altered, or the "
+                "prefill instance uses another secret; send the params P returned, unchanged")
+        if parsed.kv_expires_at_ms is None:
+            raise ForbiddenTransferParams(
+                "kv_transfer_params carry no kv_expires_at_ms; signed params must say when P's "
+                "lease on the blocks ends")
+    if parsed.kv_expires_at_ms is not None and now_s * 1000 > parsed.kv_expires_at_ms:
+        late_s = now_s - parsed.kv_expires_at_ms / 1000
+        raise StaleTransferParams(
+            f"kv_transfer_params expired {late_s:.1f}s ago (kv_expires_at_ms "
+            f"{parsed.kv_expires_at_ms}): the prefill instance's lease on these blocks is over and "
+            "they may hold another request's KV now; send the request through the prefill "
+            "instance again (and check that P's and D's clocks agree)")
     if parsed.prompt_hash is not None and parsed.prompt_hash != prompt_hash(prompt_token_ids):
         raise InvalidTransferParams(
             "kv_transfer_params were made by the prefill instance for another prompt "
             "(prompt_hash differs); send each request's own params with the same prompt")
-    if secret is None:
-        return
-    if parsed.kv_signature is None:
-        raise InvalidTransferParams(
-            "kv_transfer_params carry no kv_signature, but this instance requires params signed "
-            "by a prefill instance sharing its KVLINK_SECRET")
-    fields = msgspec.structs.asdict(parsed)
-    if not hmac.compare_digest(parsed.kv_signature, sign(fields, secret)):
-        raise InvalidTransferParams(
-            "kv_transfer_params.kv_signature does not match: the params were altered, or the "
-            "prefill instance uses another KVLINK_SECRET")
 
 
 def wants_remote_decode(params: dict[str, Any] | None) -> bool:

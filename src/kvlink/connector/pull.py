@@ -70,7 +70,7 @@ class PullReader:
         w.stats.count("restarted_peer_loads_total")
         w.fail_request(entry["request_id"], all_blocks(entry), (
             f"prefill engine {engine.engine_id} restarted after prefilling this request "
-            f"(incarnation {wanted}, now {serving}); its KV is gone"))
+            f"(incarnation {wanted}, now {serving}); its KV is gone"), forbidden=True)
         return False
 
     def maybe_complete(self, load: Load) -> None:

@@ -7,6 +7,7 @@ P, gets blocks, and is parked until the workers report the load finished or fail
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from kvlink.connector.api import ConnectorScheduler, RequestView, StepMetadata, 
 from kvlink.connector.config import ConnectorConfig
 from kvlink.connector.params import (
     RemotePrefillParams,
+    StaleTransferParams,
     check_integrity,
     parse_remote_prefill,
     prompt_hash,
@@ -23,9 +25,11 @@ from kvlink.connector.params import (
     wants_remote_decode,
     wants_remote_prefill,
 )
+from kvlink.connector.secret import require_secret
 from kvlink.layout.limits import TP, check
 from kvlink.layout.spec import ModelSpec, is_ssm
-from kvlink.transfer.framing import resolve_secret
+
+log = logging.getLogger("kvlink.connector")
 
 
 @dataclass
@@ -36,11 +40,16 @@ class _RemoteRequest:
 
 class NixlScheduler(ConnectorScheduler):
     """One per engine. `tp_size` is this engine's TP size (advertised to the peer); `model`
-    tells whether requests carry SSM state (None: a model without it)."""
+    tells whether requests carry SSM state (None: a model without it).
+
+    Needs the deployment's shared secret (or `config.insecure_unsigned_params`): P signs
+    the params it hands out, D refuses params P did not sign. `wall_clock` (Unix seconds)
+    dates the params' expiry; P's and D's clocks must agree to well within a lease.
+    """
 
     def __init__(
         self, config: ConnectorConfig, tp_size: int, clock: Callable[[], float] = time.monotonic,
-        *, model: ModelSpec | None = None,
+        wall_clock: Callable[[], float] = time.time, *, model: ModelSpec | None = None,
     ) -> None:
         self.config = config
         self.tp_size = check("tp_size", tp_size, TP)
@@ -48,11 +57,12 @@ class NixlScheduler(ConnectorScheduler):
         self.state_always_moves = model is not None and any(is_ssm(g) for g in model.groups)
         self.load_failure_policy = config.load_failure_policy
         self._clock = clock
+        self._wall_clock = wall_clock
         self._remote: dict[str, _RemoteRequest] = {}
         self._held: set[str] = set()
         self._step = StepMetadata()
         self._last_heartbeat = float("-inf")
-        self._secret = resolve_secret(config.secret)
+        self._secret = require_secret(config.secret, config.insecure_unsigned_params, config.engine_id)
 
     # ---- D side -------------------------------------------------------------------------
     def on_new_request(self, request: RequestView) -> None:
@@ -62,7 +72,15 @@ class NixlScheduler(ConnectorScheduler):
         if wants_remote_prefill(request.kv_transfer_params):
             assert request.kv_transfer_params is not None
             params = parse_remote_prefill(request.kv_transfer_params)
-            check_integrity(params, request.prompt_token_ids, self._secret)
+            try:
+                check_integrity(params, request.prompt_token_ids, self._secret, self._wall_clock())
+            except StaleTransferParams as stale:
+                if self.load_failure_policy != "recompute":
+                    raise
+                # P's blocks may belong to another request by now: read nothing, prefill here.
+                log.warning("request %s: %s; prefilling it here (load_failure_policy recompute)",
+                            request.request_id, stale)
+                return
             self._remote[request.request_id] = _RemoteRequest(params)
 
     def get_num_new_matched_tokens(
@@ -162,6 +180,8 @@ class NixlScheduler(ConnectorScheduler):
             "remote_num_tokens": max(0, len(request.prompt_token_ids) - 1),
             "transfer_mode": self.config.transfer_mode,
             "prompt_hash": prompt_hash(request.prompt_token_ids),
+            # P's lease starts with the worker's next step, so it ends a little after this.
+            "kv_expires_at_ms": int((self._wall_clock() + self.config.lease_s) * 1000),
         }
         if self.config.incarnation:
             params["remote_incarnation"] = self.config.incarnation

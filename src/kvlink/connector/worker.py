@@ -156,7 +156,8 @@ class NixlWorker(ConnectorWorker):
         else:
             self.stats.count("failed_notifications_total")
 
-    def fail_request(self, rid: str, blocks: set[int], reason: str, bad_params: bool = False) -> None:
+    def fail_request(self, rid: str, blocks: set[int], reason: str, bad_params: bool = False,
+                     forbidden: bool = False) -> None:
         """Report a load as failed with exactly `blocks` invalid (never silently dropped)."""
         load = self.book.get(rid)
         if load is not None:
@@ -164,7 +165,7 @@ class NixlWorker(ConnectorWorker):
             self.book.finish(rid)
         log.warning("request %s failed to load (%d blocks invalid): %s", rid, len(blocks), reason)
         self.out.failed_recving.add(rid)
-        self.out.load_failures.setdefault(rid, LoadFailure(reason, bad_params))
+        self.out.load_failures.setdefault(rid, LoadFailure(reason, bad_params, forbidden))
         self.out.invalid_block_ids |= blocks
 
     def retry_after_handshake(self, engine_id: str, entry: dict[str, Any], why: str) -> bool:

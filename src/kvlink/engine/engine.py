@@ -194,6 +194,12 @@ class LLMEngine:
             else:
                 request.status = RequestStatus.WAITING  # the load has ended: nothing writes the blocks
                 failure = output.load_failures.get(request_id)
+                if failure is not None and failure.forbidden:
+                    self._finish(request, "error", error_kind="forbidden_kv_transfer_params", error=(
+                        f"refusing the kv_transfer_params of request {request_id!r}: {failure.reason}; "
+                        "send the request through the prefill instance again"
+                    ))
+                    continue
                 if failure is not None and failure.bad_params:
                     self._finish(request, "error", error_kind="bad_kv_transfer_params", error=(
                         f"cannot load the KV cache of request {request_id!r} with the given "

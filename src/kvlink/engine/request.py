@@ -51,7 +51,8 @@ class RequestOutput:
     # Set on the first output after this request's KV was loaded from a remote engine.
     kv_bytes: int | None = None
     kv_transfer_s: float | None = None
-    # With `error`: "bad_kv_transfer_params" (the request's params cannot work) or "kv_load_failed".
+    # With `error`: "bad_kv_transfer_params" (the request's params cannot work),
+    # "forbidden_kv_transfer_params" (they no longer grant access to P's blocks) or "kv_load_failed".
     error_kind: str | None = None
 
 

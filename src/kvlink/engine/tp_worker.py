@@ -1,6 +1,8 @@
 """A follower TP rank process: loads its shard, registers its KV memory, mirrors rank 0.
 
-Started by `launch_followers` with one JSON argument; it dies with its parent.
+Started by `launch_followers` with one JSON argument; it dies with its parent. The shared
+secret travels in the environment (`$KVLINK_SECRET`), never on the command line, which
+every local user can read.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import asdict
 from typing import Any
 
 from kvlink.connector.config import ConnectorConfig
+from kvlink.transfer.framing import SECRET_ENV, resolve_secret
 
 PR_SET_PDEATHSIG = 1
 
@@ -29,16 +32,21 @@ def _die_with_parent(parent_pid: int) -> None:
 def launch_followers(spec: dict[str, Any], connector: ConnectorConfig | None) -> list[subprocess.Popen[bytes]]:
     """Start ranks 1..tp-1; `spec` has model, tp, port, block_size, kernel_block_size, num_blocks."""
     procs = []
+    env = dict(os.environ)
+    secret = resolve_secret(connector.secret) if connector else None
+    if secret is not None:
+        env[SECRET_ENV] = secret.decode()
     for rank in range(1, spec["tp"]):
         payload = dict(spec, rank=rank, parent=os.getpid(),
                        connector=_config_dict(connector) if connector else None)
-        procs.append(subprocess.Popen([sys.executable, "-m", "kvlink.engine.tp_worker", json.dumps(payload)]))
+        procs.append(subprocess.Popen([sys.executable, "-m", "kvlink.engine.tp_worker", json.dumps(payload)],
+                                      env=env))
     return procs
 
 
 def _config_dict(config: ConnectorConfig) -> dict[str, Any]:
     data = asdict(config)
-    data["secret"] = config.secret.decode() if config.secret else None
+    data["secret"] = None  # the follower reads $KVLINK_SECRET (see launch_followers)
     return data
 
 
@@ -62,7 +70,6 @@ def main(argv: list[str]) -> int:
     worker = None
     if spec.get("connector"):
         cfg = dict(spec["connector"])
-        cfg["secret"] = cfg["secret"].encode() if cfg.get("secret") else None
         worker = NixlWorker(ConnectorConfig(**cfg), model.spec, tp, rank, spec["block_size"],
                             spec["kernel_block_size"], spec["num_blocks"],
                             AgentConfig(progress_thread=bool(spec.get("progress_thread"))))

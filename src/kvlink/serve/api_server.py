@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from kvlink.connector.params import wants_remote_prefill
+from kvlink.connector.params import ForbiddenTransferParams, wants_remote_prefill
 from kvlink.serve.disconnect import unless_disconnected
 from kvlink.serve.engine_loop import AsyncEngine, EngineDead, RequestTimeout
 from kvlink.serve.errors import APIError, error_body, install_error_handlers
@@ -35,6 +35,8 @@ def engine_sampling_params() -> SamplingFactory:
 def _as_api_error(error: Exception) -> APIError:
     if isinstance(error, APIError):
         return error
+    if isinstance(error, ForbiddenTransferParams):  # unsigned, altered or stale: nothing was read
+        return APIError(403, str(error), "forbidden_kv_transfer_params")
     if isinstance(error, ValueError):  # add_request refused the input (incl. kv_transfer_params)
         return APIError(400, str(error), "invalid_value")
     if isinstance(error, RequestTimeout):
@@ -44,6 +46,8 @@ def _as_api_error(error: Exception) -> APIError:
     if isinstance(error, GenerationFailed):
         if error.kind == "bad_kv_transfer_params":
             return APIError(400, str(error), "invalid_kv_transfer_params")
+        if error.kind == "forbidden_kv_transfer_params":
+            return APIError(403, str(error), "forbidden_kv_transfer_params")
         return APIError(500, f"generation failed: {error}", error.kind or "generation_failed")
     return APIError(500, f"internal error: {error!r}", "internal_error")
 
@@ -51,8 +55,12 @@ def _as_api_error(error: Exception) -> APIError:
 def build_app(
     engine: AsyncEngine, tokenizer: Any, model_name: str, role: str, metrics: MetricsRegistry,
     *, max_model_len: int, sampling_factory: SamplingFactory | None = None,
+    warnings: Sequence[str] = (),
 ) -> FastAPI:
-    """`/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`, `/metrics`, `/debug/state`."""
+    """`/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`, `/metrics`, `/debug/state`.
+
+    `warnings`: what is unsafe about how this instance runs (e.g. unsigned params); /health
+    repeats them so a monitor sees them, not only the start-up log."""
     app = FastAPI(title=f"kvlink {role} instance", docs_url=None, redoc_url=None)
     install_error_handlers(app)
     metrics.gauges.setdefault("requests_in_flight", lambda: float(engine.in_flight))
@@ -139,7 +147,10 @@ def build_app(
     async def health() -> Response:
         if not engine.alive:
             return JSONResponse(error_body(503, engine.dead_reason or "engine not running"), 503)
-        return JSONResponse({"status": "ok", "role": role, "model": model_name})
+        answer: dict[str, Any] = {"status": "ok", "role": role, "model": model_name}
+        if warnings:
+            answer["warnings"] = list(warnings)
+        return JSONResponse(answer)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -11,6 +11,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 _TYPES = {
     400: "invalid_request_error",
+    403: "permission_error",
     404: "not_found_error",
     408: "timeout_error",
     422: "invalid_request_error",

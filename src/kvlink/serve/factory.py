@@ -1,14 +1,16 @@
 """Builds what `kvlink serve` runs: the model, its tokenizer, the engine, and its connector.
 
 Role `both` is a plain colocated engine. Roles `prefill` and `decode` attach the NIXL
-connector (scheduler side + this rank's worker). With `--tp N` ranks 1..N-1 run in
-follower processes (`engine.tp_worker`) that mirror rank 0 over gloo.
+connector (scheduler side + this rank's worker) and need the deployment's shared secret
+(`$KVLINK_SECRET` or `--secret-file`), unless `--insecure-unsigned-params` opts out. With
+`--tp N` ranks 1..N-1 run in follower processes (`engine.tp_worker`) that mirror rank 0 over gloo.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import subprocess
 import time
 import uuid
@@ -19,6 +21,7 @@ from typing import Any
 from kvlink.engine.models import MODEL_NAMES, load_model
 
 Progress = Callable[[str], None]
+log = logging.getLogger("kvlink.serve")
 __all__ = ["MODEL_NAMES", "ServedEngine", "build_engine"]
 
 
@@ -33,17 +36,25 @@ class ServedEngine:
     connector_metrics: Callable[[], str] | None = None  # Prometheus text of the connector
     close: Callable[[], None] | None = None  # releases connector resources (agent, sockets)
     debug_state: Callable[[], dict[str, Any]] | None = None  # connector state (leases, loads)
+    warnings: tuple[str, ...] = ()  # what is unsafe about this configuration (logged, on /health)
 
 
 def _connector_config(args: argparse.Namespace) -> Any:
     from kvlink.connector.config import ConnectorConfig
+    from kvlink.connector.secret import load_secret, require_secret
 
     engine_id = args.engine_id or f"{args.role}-{uuid.uuid4().hex[:8]}"
+    secret = load_secret(getattr(args, "secret_file", None))
+    insecure = bool(getattr(args, "insecure_unsigned_params", False))
+    if secret is not None and insecure:
+        raise ValueError("--insecure-unsigned-params was given, but a secret is set "
+                         "($KVLINK_SECRET or --secret-file): drop one of them")
+    require_secret(secret, insecure, engine_id)  # refuse now, before the model loads
     return ConnectorConfig(
         engine_id=engine_id, side_channel_host=args.host,
         side_channel_port=args.kv_port if args.kv_port is not None else 0,
         lease_s=args.lease_s, load_failure_policy=args.load_failure_policy,
-        transfer_mode=args.transfer_mode, secret=ConnectorConfig.secret_from_env(),
+        transfer_mode=args.transfer_mode, secret=secret, insecure_unsigned_params=insecure,
         stall_timeout_s=getattr(args, "stall_timeout_s", 10.0),
         quarantine_s=getattr(args, "quarantine_s", 60.0),
         incarnation=uuid.uuid4().hex[:8],  # this start of the engine; see ConnectorConfig
@@ -68,6 +79,12 @@ def build_engine(args: argparse.Namespace, progress: Progress = print) -> Served
     tp = args.tp
     kernel_block_size = args.kernel_block_size or args.block_size
     config = _connector_config(args) if args.role != "both" else None
+    warnings: tuple[str, ...] = ()
+    if config is not None and config.insecure_unsigned_params:
+        from kvlink.connector.secret import INSECURE_WARNING
+
+        warnings = (INSECURE_WARNING,)
+        log.warning("%s\nWARNING: %s\n%s", "!" * 80, INSECURE_WARNING, "!" * 80)
     progress_thread = bool(getattr(args, "progress_thread", False))
     followers: list[Any] = []
     step_timeout_s = float(getattr(args, "tp_step_timeout_s", 60.0))
@@ -128,4 +145,4 @@ def build_engine(args: argparse.Namespace, progress: Progress = print) -> Served
     progress(f"model {args.model} ready in {time.monotonic() - started:.1f}s "
              f"(tp={tp}, max_model_len={max_model_len})")
     return ServedEngine(engine, tokenizer, args.model, max_model_len,
-                        metrics if config is not None else None, close, debug_state)
+                        metrics if config is not None else None, close, debug_state, warnings)

@@ -223,7 +223,8 @@ def fetch_payload(
     except framing.FrameTruncated as exc:
         raise HandshakeFailed(
             f"{where}: listener closed without a reply ({exc}); "
-            f"if it requires a shared secret, check {framing.SECRET_ENV}"
+            f"if it requires a shared secret, check {framing.SECRET_ENV} (or --secret-file) "
+            "on both sides"
         ) from exc
     except framing.FrameAuthFailed as exc:
         raise HandshakeFailed(

@@ -15,9 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kvpeer import Engine, blocks, n_blocks, pull_exact, start_engines, stop_engines
+from kvpeer import SECRET, Engine, blocks, n_blocks, pull_exact, start_engines, stop_engines
 
 from kvlink.connector.api import RequestView
+from kvlink.transfer.framing import pack_frame
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -150,7 +151,8 @@ def _raw_send(port: int, data: bytes, linger_s: float = 0.2) -> bytes:
 def test_hostile_handshake_bytes_are_refused_and_p_keeps_serving(engines: dict[str, Engine]) -> None:
     p, fresh = engines["P"], engines["Dfresh"]
     before = _p_state(p)["listener"]
-    _raw_send(p.port, struct.pack(">I", 5) + b"hello")            # not msgpack
+    _raw_send(p.port, pack_frame(b"hello", SECRET.encode()))      # signed, but not msgpack
+    _raw_send(p.port, struct.pack(">I", 40) + b"h" * 40)          # not signed with the secret
     _raw_send(p.port, struct.pack(">I", 0x7FFFFFFF) + b"x" * 64)  # length beyond the limit
     _raw_send(p.port, struct.pack(">I", 100) + b"abc")           # truncated, then EOF
     _raw_send(p.port, b"\x00\x00")                               # not even a header
@@ -158,6 +160,7 @@ def test_hostile_handshake_bytes_are_refused_and_p_keeps_serving(engines: dict[s
     p.peers[0].wait_until(
         lambda: _p_state(p)["listener"]["malformed"] > before["malformed"]
         and _p_state(p)["listener"]["oversized"] > before["oversized"]
+        and _p_state(p)["listener"]["unauthenticated"] > before["unauthenticated"]
         and _p_state(p)["listener"]["truncated"] >= before["truncated"] + 3,
         5.0, what="listener counts the hostile frames")
     after = _p_state(p)["listener"]
