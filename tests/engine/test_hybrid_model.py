@@ -120,3 +120,13 @@ def test_shard_caches_hold_this_ranks_heads_only() -> None:
 def test_tp_size_that_splits_a_kv_head_is_refused() -> None:
     with pytest.raises(ValueError, match="must divide num_kv_heads"):
         TinyHybridModel(vocab_size=VOCAB, tp_size=8, all_reduce=lambda t: None)
+
+
+def test_last_token_only_returns_the_last_row_of_the_full_logits(model: TinyHybridModel) -> None:
+    tokens = torch.randint(0, VOCAB, (13,), generator=torch.Generator().manual_seed(4))
+    caches = allocate_kv_caches(model.spec, 1, BLOCK, KERNEL_BLOCK, NUM_BLOCKS)
+    tables = _tables([0, 1], 5)
+    full = model.forward(tokens, 0, tables, caches, block_size=BLOCK)
+    last = model.forward(tokens, 0, tables, caches, block_size=BLOCK, last_token_only=True)
+    assert last.shape == (1, VOCAB)
+    torch.testing.assert_close(last, full[-1:], atol=1e-5, rtol=1e-5)

@@ -134,9 +134,10 @@ def percentile(sorted_values: list[float], q: float) -> float:
 
 async def run_load(url: str, planned: list[Planned], concurrency: int, time_limit_s: float,
                    request_timeout_s: float = 60.0, rate_rps: float | None = None,
-                   progress: Callable[[str], None] = print, report_every: int = 50) -> RunResult:
+                   progress: Callable[[str], None] = print, report_every: int = 50,
+                   on_outcome: Callable[[Outcome], None] | None = None) -> RunResult:
     """Send `planned` with at most `concurrency` in flight (optionally paced at `rate_rps`);
-    stop launching new requests after `time_limit_s`."""
+    stop launching new requests after `time_limit_s`. `on_outcome` sees each request end."""
     started = time.monotonic()
     outcomes: list[Outcome] = []
     gate = asyncio.Semaphore(concurrency)
@@ -147,6 +148,8 @@ async def run_load(url: str, planned: list[Planned], concurrency: int, time_limi
         async def guarded(req: Planned) -> None:
             try:
                 outcomes.append(await _one(client, url, req, request_timeout_s))
+                if on_outcome is not None:
+                    on_outcome(outcomes[-1])
             finally:
                 gate.release()
             if len(outcomes) % report_every == 0:

@@ -6,7 +6,8 @@ Starts prefill, decode and proxy (each in its own process group, stopped by PID)
 total time limit. Then checks that both instances hold no blocks, leases, loads or open
 transfers, and reports throughput, TTFT p50/p99 and errors (only cancels are allowed).
 `--soak-minutes M` sends the same kind of stream at a low rate with idle gaps for M
-minutes and reports how the resident memory of each process grows per 1000 requests.
+minutes and reports how the resident memory of each process grows per 1000 requests and
+per hour over the last 30 minutes; `--memory-json`/`--memory-plot` keep the curve.
 """
 
 from __future__ import annotations
@@ -55,6 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--soak-batch", type=ranged(COUNT), default=100, help="requests between idle gaps")
     parser.add_argument("--soak-gap-s", type=ranged(SECONDS_OR_ZERO), default=5.0,
                         help="idle gap between batches")
+    parser.add_argument("--memory-interval-s", type=ranged(SECONDS), default=5.0,
+                        help="soak mode: seconds between memory samples of P, D and the proxy")
+    parser.add_argument("--memory-json", type=Path, default=None,
+                        help="soak mode: write the memory samples (RSS, glibc heap) here")
+    parser.add_argument("--memory-plot", type=Path, default=None,
+                        help="soak mode: draw the memory curve to this PNG")
     parser.add_argument("--log-dir", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None, help="write the summary here")
 
@@ -116,60 +123,68 @@ def _leak_check(cluster: Any) -> dict[str, Any]:
     return out
 
 
-def _rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
-
-
 def _soak(cluster: Any, args: argparse.Namespace) -> dict[str, Any]:
+    from kvlink.bench import memory_series
     from kvlink.bench.load import plan_requests, run_load
+    from kvlink.serve.memory import rss_kib
 
     procs = {"prefill": cluster.prefill.proc.pid, "decode": cluster.decode.proc.pid,
              "proxy": cluster.proxy.proc.pid}
+    finished = 0
+
+    def count_finished(_: object) -> None:
+        nonlocal finished
+        finished += 1
+
+    sampler = memory_series.MemorySampler(
+        procs, {"prefill": cluster.prefill.url, "decode": cluster.decode.url},
+        lambda: finished, args.memory_interval_s)
     deadline = time.monotonic() + args.soak_minutes * 60
-    samples: list[tuple[int, dict[str, int]]] = []
+    batch_ends: list[tuple[int, dict[str, int]]] = []  # taken in the idle gaps
     sent = errors = 0
     batch = 0
     print(f"soaking for {args.soak_minutes:g} min at {args.soak_rate:g} req/s, "
           f"{args.soak_batch} requests then {args.soak_gap_s:g}s idle")
-    while time.monotonic() < deadline:
-        planned = plan_requests(args.soak_batch, args.seed + batch, args.cancel_fraction,
-                                args.max_prompt_words)
-        left = deadline - time.monotonic()
-        result = asyncio.run(run_load(cluster.proxy.url, planned, args.concurrency, left,
-                                      rate_rps=args.soak_rate, progress=lambda _: None))
-        sent += len(result.outcomes)
-        errors += result.count("error")
-        batch += 1
-        time.sleep(args.soak_gap_s)
-        rss = {name: _rss_kib(pid) for name, pid in procs.items()}
-        samples.append((sent, rss))
-        print(f"  {sent} requests, {errors} errors, RSS MiB "
-              + ", ".join(f"{k} {v / 1024:.0f}" for k, v in rss.items()))
+    sampler.start()
+    try:
+        while time.monotonic() < deadline:
+            planned = plan_requests(args.soak_batch, args.seed + batch, args.cancel_fraction,
+                                    args.max_prompt_words)
+            left = deadline - time.monotonic()
+            result = asyncio.run(run_load(cluster.proxy.url, planned, args.concurrency, left,
+                                          rate_rps=args.soak_rate, progress=lambda _: None,
+                                          on_outcome=count_finished))
+            sent += len(result.outcomes)
+            errors += result.count("error")
+            batch += 1
+            time.sleep(args.soak_gap_s)
+            rss = {name: rss_kib(pid) for name, pid in procs.items()}
+            batch_ends.append((sent, rss))
+            print(f"  {sent} requests, {errors} errors, RSS MiB "
+                  + ", ".join(f"{k} {v / 1024:.0f}" for k, v in rss.items()), flush=True)
+    finally:
+        sampler.stop()
     summary: dict[str, Any] = {"mode": "soak", "model": args.model, "minutes": args.soak_minutes,
                                "requests": sent, "errors": errors}
-    # Growth per 1000 requests: least-squares slope after the first batch (warm-up).
-    fit = samples[1:] if len(samples) > 2 else samples
+    # Growth per 1000 requests: least-squares slope over the idle-gap samples after the first
+    # batch (warm-up).
+    fit = batch_ends[1:] if len(batch_ends) > 2 else batch_ends
     for name in procs:
-        summary[f"{name}_rss_mib_start"] = samples[0][1][name] / 1024 if samples else math.nan
-        summary[f"{name}_rss_mib_end"] = samples[-1][1][name] / 1024 if samples else math.nan
-        summary[f"{name}_rss_kib_per_1000_requests"] = _slope(
-            [(n, rss[name]) for n, rss in fit]) * 1000
+        summary[f"{name}_rss_mib_start"] = batch_ends[0][1][name] / 1024 if batch_ends else math.nan
+        summary[f"{name}_rss_mib_end"] = batch_ends[-1][1][name] / 1024 if batch_ends else math.nan
+        summary[f"{name}_rss_kib_per_1000_requests"] = memory_series.slope(
+            [(float(n), float(rss[name])) for n, rss in fit]) * 1000
+    summary.update({f"series_{k}": v for k, v in memory_series.figures(sampler.samples).items()})
+    if args.memory_json:
+        memory_series.write_json(sampler.samples, args.memory_json)
+    if args.memory_plot and sampler.samples:
+        memory_series.plot(sampler.samples, args.memory_plot,
+                           f"kvlink bench load --soak-minutes {args.soak_minutes:g} ({args.model}): "
+                           f"{sent} requests")
     summary.update(_leak_check(cluster))
     summary["passed"] = errors == 0 and not summary["leaks"]
     _print(summary)
     return summary
-
-
-def _slope(points: list[tuple[int, int]]) -> float:
-    if len(points) < 2:
-        return math.nan
-    mean_x = sum(x for x, _ in points) / len(points)
-    mean_y = sum(y for _, y in points) / len(points)
-    var = sum((x - mean_x) ** 2 for x, _ in points)
-    return sum((x - mean_x) * (y - mean_y) for x, y in points) / var if var else math.nan
 
 
 def _print(summary: dict[str, Any]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import tracemalloc
 
 from kvlink.cli.ranges import ranged
 from kvlink.layout.limits import (
@@ -109,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import uvicorn
 
+    from kvlink.serve import memory
     from kvlink.serve.api_server import build_app
     from kvlink.serve.engine_loop import AsyncEngine
     from kvlink.serve.factory import build_engine
@@ -118,10 +120,13 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
+        trace_frames = memory.tracing_frames()
         served = build_engine(args, progress=lambda line: print(line, flush=True))
     except (ValueError, NotImplementedError, FileNotFoundError) as error:
         print(f"kvlink serve: {error}", flush=True)
         return 2
+    if trace_frames:
+        tracemalloc.start(trace_frames)  # after loading: traces what serving allocates
     engine = AsyncEngine(served.engine, request_timeout_s=args.request_timeout_s)
     metrics = MetricsRegistry("kvlink_server")
     if served.connector_metrics is not None:

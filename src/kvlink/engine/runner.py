@@ -25,8 +25,11 @@ class ModelRunner:
             end = run.start_pos + run.num_tokens
             input_ids = torch.tensor(request.all_token_ids[run.start_pos : end], dtype=torch.int64)
             tables = [torch.tensor(t, dtype=torch.int64) for t in request.block_tables]
+            # Only the last row is sampled: the full [T, vocab] logits of a long prompt would be a
+            # large temporary per prefill, which fragmented P's malloc heap (RSS grew in steps).
             logits = self.model.forward(
-                input_ids, run.start_pos, tables, self.caches, block_size=self.block_size
+                input_ids, run.start_pos, tables, self.caches, block_size=self.block_size,
+                last_token_only=True,
             )
             if not request.prefill_only:
                 sampled[request.request_id] = sample(logits[-1], request.params, request.generator)

@@ -73,9 +73,10 @@ class TPModel:
         self.tp_rank, self.tp_size = local.tp_rank, local.tp_size
 
     def forward(self, input_ids: torch.Tensor, start_pos: int, block_tables: list[torch.Tensor],
-                caches: list[torch.Tensor], *, block_size: int) -> torch.Tensor:
-        _broadcast(("forward", input_ids, start_pos, block_tables, block_size))
-        return self.local.forward(input_ids, start_pos, block_tables, caches, block_size=block_size)
+                caches: list[torch.Tensor], *, block_size: int, last_token_only: bool = False) -> torch.Tensor:
+        _broadcast(("forward", input_ids, start_pos, block_tables, block_size, last_token_only))
+        return self.local.forward(input_ids, start_pos, block_tables, caches, block_size=block_size,
+                                  last_token_only=last_token_only)
 
 
 @dataclass
@@ -182,8 +183,9 @@ def follow(model: PagedModel, caches: list[torch.Tensor], worker: ConnectorWorke
         command = _broadcast(None)
         name = command[0]
         if name == "forward":
-            _, input_ids, start_pos, tables, block_size = command
-            model.forward(input_ids, start_pos, tables, caches, block_size=block_size)
+            _, input_ids, start_pos, tables, block_size, last_token_only = command
+            model.forward(input_ids, start_pos, tables, caches, block_size=block_size,
+                          last_token_only=last_token_only)
         elif name == "start_load_kv":
             if worker is not None:
                 worker.start_load_kv(command[1])

@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from kvlink.connector.params import ForbiddenTransferParams, wants_remote_prefill
+from kvlink.serve import memory
 from kvlink.serve.disconnect import unless_disconnected
 from kvlink.serve.engine_loop import AsyncEngine, EngineDead, RequestTimeout
 from kvlink.serve.errors import APIError, error_body, install_error_handlers
@@ -57,7 +58,8 @@ def build_app(
     *, max_model_len: int, sampling_factory: SamplingFactory | None = None,
     warnings: Sequence[str] = (),
 ) -> FastAPI:
-    """`/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`, `/metrics`, `/debug/state`.
+    """`/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`, `/metrics`,
+    `/debug/state`, `/debug/memory` (and `POST /debug/memory/trim`).
 
     `warnings`: what is unsafe about how this instance runs (e.g. unsigned params); /health
     repeats them so a monitor sees them, not only the start-up log."""
@@ -169,6 +171,16 @@ def build_app(
         except Exception as error:
             raise _as_api_error(error) from error
         return {"role": role, "in_flight": engine.in_flight, "engine": stats}
+
+    @app.get("/debug/memory")
+    async def debug_memory() -> dict[str, Any]:
+        return memory.snapshot()
+
+    @app.post("/debug/memory/trim")
+    async def debug_memory_trim() -> dict[str, Any]:
+        before = memory.rss_kib()
+        released = memory.trim()
+        return {"released": released, "rss_kib_before": before, **memory.snapshot()}
 
     return app
 

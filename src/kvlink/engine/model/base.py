@@ -38,8 +38,11 @@ class PagedModel(Protocol):
         caches: list[torch.Tensor],
         *,
         block_size: int,
+        last_token_only: bool = False,
     ) -> torch.Tensor:
-        """Logits `[T, vocab]` (float32) of `input_ids[T]` at positions from `start_pos`."""
+        """Logits `[T, vocab]` (float32) of `input_ids[T]` at positions from `start_pos`;
+        `[1, vocab]` of the last token with `last_token_only` (all a sampler needs: the
+        full matrix of a long prompt is tens of MiB of temporary memory per prefill)."""
         ...
 
 
@@ -81,7 +84,7 @@ class LlamaForwardSequence(Protocol):
 
     def forward_sequence(
         self, input_ids: torch.Tensor, start_pos: int, kernel_block_table: torch.Tensor,
-        kv_caches: list[torch.Tensor],
+        kv_caches: list[torch.Tensor], *, last_token_only: bool = False,
     ) -> torch.Tensor: ...
 
 
@@ -104,6 +107,7 @@ class LlamaPagedModel:
         caches: list[torch.Tensor],
         *,
         block_size: int,
+        last_token_only: bool = False,
     ) -> torch.Tensor:
         table = kernel_block_table(block_tables[0], physical_per_logical(caches, block_size))
-        return self.model.forward_sequence(input_ids, start_pos, table, caches)
+        return self.model.forward_sequence(input_ids, start_pos, table, caches, last_token_only=last_token_only)

@@ -193,8 +193,10 @@ class TinyHybridModel:
         caches: list[torch.Tensor],
         *,
         block_size: int,
+        last_token_only: bool = False,
     ) -> torch.Tensor:
-        """Logits `[T, vocab]`; SSM state is read from (zeros at start_pos 0) and written to its page."""
+        """Logits `[T, vocab]` (`[1, vocab]` with `last_token_only`); SSM state is read from
+        (zeros at start_pos 0) and written to its page."""
         positions = torch.arange(start_pos, start_pos + input_ids.shape[0])
         ppl = physical_per_logical([caches[self._attention_layer]], block_size)
         x = self.embedding[input_ids]
@@ -208,4 +210,6 @@ class TinyHybridModel:
             if self._all_reduce is not None:
                 self._all_reduce(out)
             x = x + out
+        if last_token_only:
+            x = x[-1:]
         return F.linear(rms_norm(x, self.final_norm), self.lm_head)
