@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,9 +80,10 @@ def range_problem(value: object, bound: Bound) -> str | None:
     """Why `value` is outside `bound` (None when it is inside)."""
     if value is None and bound.allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    # numbers.* so numpy scalars from an engine's arrays pass like Python ints and floats.
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return f"expected {bound.describe()}, got {type(value).__name__} {value!r}"
-    if bound.integer and not isinstance(value, int):
+    if bound.integer and not isinstance(value, numbers.Integral):
         return f"expected {bound.describe()}, got {value!r}"
     if not math.isfinite(value) or not bound.low <= value <= bound.high:
         return f"expected {bound.describe()}, got {value!r}"
