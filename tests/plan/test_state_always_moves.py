@@ -24,7 +24,7 @@ def test_one_token_prompt_reads_nothing(capsys: pytest.CaptureFixture[str]) -> N
     """Nothing precedes the only token: D starts from the zero state, P is only notified."""
     assert main(["plan", "--preset", "hybrid-mamba2", "--p-tp", "2", "--d-tp", "1", "--tokens", "1"]) == 0
     out = capsys.readouterr().out
-    assert "request: 1-token prompt, ships tokens [0, 0); token chunk" in out
+    assert "request: 1-token prompt, ships no tokens (D computes the only prompt token); token chunk" in out
     assert "D rank 0: reads P [], notifies P [0, 1]; 0 descriptors" in out
 
 
@@ -38,5 +38,5 @@ def test_cli_full_hit_reports_the_state(capsys: pytest.CaptureFixture[str]) -> N
     assert main(["plan", "--preset", "hybrid-mamba2", "--p-tp", "1", "--d-tp", "1", "--tokens", "33",
                  "--d-computed-tokens", "32"]) == 0
     out = capsys.readouterr().out
-    assert "ships tokens [32, 32) plus SSM state" in out
+    assert "ships no tokens (D has [0, 32) cached) plus SSM state" in out
     assert "D rank 0: reads P [0], notifies P [0]; 8 descriptors" in out

@@ -103,9 +103,15 @@ def render(report: dict[str, Any]) -> str:
     lines = [f"model {report['model']} ({report['dtype']})"]
     lines += _engine_lines("P", report["p"]) + _engine_lines("D", report["d"])
     state = " plus SSM state" if report["p"]["ssm_state_bytes_per_rank"] and request["tokens_shipped"] else ""
+    first, end = request["d_computed_tokens"], request["tokens_shipped"]
+    if end > first:
+        tokens = f"ships tokens [{first}, {end})"
+    elif end == 0:
+        tokens = "ships no tokens (D computes the only prompt token)"
+    else:
+        tokens = f"ships no tokens (D has [0, {end}) cached)"
     lines.append(
-        f"request: {request['prompt_tokens']}-token prompt, ships tokens "
-        f"[{request['d_computed_tokens']}, {request['tokens_shipped']}){state}; "
+        f"request: {request['prompt_tokens']}-token prompt, {tokens}{state}; "
         f"token chunk {report['d_ranks'][0]['chunk_tokens']} tokens"
     )
     for rank in report["d_ranks"]:
