@@ -85,7 +85,11 @@ def range_problem(value: object, bound: Bound) -> str | None:
         return f"expected {bound.describe()}, got {type(value).__name__} {value!r}"
     if bound.integer and not isinstance(value, numbers.Integral):
         return f"expected {bound.describe()}, got {value!r}"
-    if not math.isfinite(value) or not bound.low <= value <= bound.high:
+    # Integers compare exactly (no float rounding at 2**63, no overflow for huge ones).
+    number = int(value) if isinstance(value, numbers.Integral) else float(value)
+    if isinstance(number, float) and not math.isfinite(number):
+        return f"expected {bound.describe()}, got {value!r}"
+    if not bound.low <= number <= bound.high:
         return f"expected {bound.describe()}, got {value!r}"
     return None
 
