@@ -25,7 +25,7 @@ from forge import resigned
 from kvlink.bench.load_cluster import metric
 from kvlink.bench.serve_cluster import Cluster
 from kvlink.cli.demo_cmd import PASSAGE
-from kvlink.cli.launcher import free_port
+from kvlink.procs.launcher import free_port
 
 openai = pytest.importorskip("openai")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]

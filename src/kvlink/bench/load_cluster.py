@@ -1,7 +1,7 @@
 """A local 1P1D cluster (prefill, decode, proxy, optional colocated reference) for load and fault runs.
 
 Every process is started in its own process group and stopped by PID with bounded
-waits (`kvlink.cli.launcher`). P and D share a secret made for this cluster (in their
+waits (`kvlink.procs.launcher`). P and D share a secret made for this cluster (in their
 environment, not on their command lines), kept across restarts. `leaks()` reads
 `/debug/state` of an instance and names everything still held: busy blocks, leases,
 loads in flight, open transfers.
@@ -20,7 +20,6 @@ from typing import Any
 
 import httpx
 
-from kvlink.cli.launcher import Service, free_port, start_service, stop_all, wait_healthy
 from kvlink.connector.secret import SECRET_ENV, new_secret
 from kvlink.layout.limits import (
     BLOCK_SIZE,
@@ -31,6 +30,7 @@ from kvlink.layout.limits import (
     bounded,
     check_fields,
 )
+from kvlink.procs.launcher import Service, free_port, start_service, stop_all, wait_healthy
 
 Progress = Callable[[str], None]
 

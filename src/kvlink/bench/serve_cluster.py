@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvlink.cli.launcher import Service, free_port, start_service, stop_all, wait_healthy
 from kvlink.connector.secret import SECRET_ENV, new_secret
 from kvlink.layout.limits import (
     BLOCK_SIZE,
@@ -29,6 +28,7 @@ from kvlink.layout.limits import (
     check_fields,
     int_range,
 )
+from kvlink.procs.launcher import Service, free_port, start_service, stop_all, wait_healthy
 
 Progress = Callable[[str], None]
 
