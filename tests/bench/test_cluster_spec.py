@@ -107,3 +107,10 @@ def test_restart_extra_args_only_for_instances(tmp_path: Path) -> None:
         cluster.restart("proxy", extra_args=["--lease-s", "2"])
     with pytest.raises(KeyError, match=r"no instance 'prefill3'.*it has prefill, decode"):
         cluster.restart("prefill3")
+
+
+def test_a_colocated_only_cluster_has_no_proxy_to_restart(tmp_path: Path) -> None:
+    cluster = Cluster(ClusterSpec(pd=False, colocated=True), tmp_path, progress=lambda _: None)
+    assert [m.name for m in cluster.members] == ["colocated"]
+    with pytest.raises(ValueError, match="no proxy: its spec has pd=False"):
+        cluster.restart("proxy")

@@ -239,7 +239,8 @@ class Cluster:
         return m.service
 
     def _start_proxy(self) -> Service:
-        assert self._router_argv is not None
+        if self._router_argv is None:
+            raise ValueError("this cluster has no proxy: its spec has pd=False")
         self._proxy_starts += 1
         log_name = "proxy" if self._proxy_starts == 1 else f"proxy-{self._proxy_starts}"
         self.proxy = start_process(log_name, self._router_argv, f"http://127.0.0.1:{self.proxy_port}",
