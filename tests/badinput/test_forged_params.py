@@ -21,7 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
-from kvlink.bench.load_cluster import Cluster, ClusterConfig, metric
+from kvlink.bench.cluster import Cluster, ClusterSpec
+from kvlink.bench.instance_state import metric
 from kvlink.connector.params import sign
 from kvlink.connector.secret import new_secret
 
@@ -34,7 +35,7 @@ ATTACKER = "The attacker asks an innocent question " * 3
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    c = Cluster(ClusterConfig(num_blocks=NUM_BLOCKS, lease_s=LEASE_S, load_failure_policy="fail"),
+    c = Cluster(ClusterSpec(model="tiny-hybrid", num_blocks=NUM_BLOCKS, lease_s=LEASE_S, request_timeout_s=60.0),
                 Path(tempfile.gettempdir()) / f"kvlink-forged-{os.getpid()}")
     c.start()
     try:
@@ -103,7 +104,7 @@ def test_forged_params_get_403_and_nothing_is_read(cluster: Cluster) -> None:
         ("another request's id and blocks", {**own, "remote_request_id": victim["remote_request_id"],
                                              "remote_block_ids": victim["remote_block_ids"]},
          "kv_signature does not match"),
-        ("another engine id", {**own, "remote_engine_id": cluster.engine_id + "-other"},
+        ("another engine id", {**own, "remote_engine_id": cluster.member("prefill").engine_id + "-other"},
          "kv_signature does not match"),
         ("the victim's params bound to the attacker's prompt",
          {**victim, "prompt_hash": own["prompt_hash"]}, "kv_signature does not match"),
@@ -149,15 +150,13 @@ def test_params_from_an_earlier_start_of_p_get_403(cluster: Cluster) -> None:
 
 def test_expired_params_get_403(cluster: Cluster) -> None:
     short_lease_s = 2.0
-    cluster.config.prefill_args = ["--lease-s", str(short_lease_s)]
     try:
-        cluster.restart("prefill")
+        cluster.restart("prefill", extra_args=["--lease-s", str(short_lease_s)])
         params = _held(cluster, VICTIM + " expiring")
         time.sleep(max(0.0, params["kv_expires_at_ms"] / 1000 - time.time()) + 0.5)
         read_before = _read_by_d(cluster)
         _assert_forbidden(_complete(_url(cluster, "decode"), VICTIM + " expiring", params), "expired")
         assert _read_by_d(cluster) == read_before
     finally:
-        cluster.config.prefill_args = []
-        cluster.restart("prefill")
+        cluster.restart("prefill", extra_args=[])
     assert _complete(_url(cluster, "proxy"), "fine again", max_tokens=2).status_code == 200

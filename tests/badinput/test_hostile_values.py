@@ -27,9 +27,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvlink.bench.load_cluster import ClusterConfig
+from kvlink.bench.cluster import ClusterSpec
+from kvlink.bench.placement import Placement
 from kvlink.bench.serve_bench import BenchConfig
-from kvlink.bench.serve_cluster import ClusterSpec
 from kvlink.bench.transfer import BenchOptions
 from kvlink.cli.main import _build_parser, main, parse_args
 from kvlink.cli.ranges import ranged, ranged_list
@@ -276,7 +276,7 @@ CONFIG_CLASSES: dict[type, Callable[..., Any]] = {
     ConnectorConfig: lambda **kw: ConnectorConfig("E", **kw),
     EngineConfig: lambda **kw: EngineConfig(**{"tp": 1, "block_size": 16, "kernel_block_size": 16, **kw}),
     BenchConfig: lambda **kw: BenchConfig(**kw),
-    ClusterConfig: lambda **kw: ClusterConfig(**kw),
+    Placement: lambda **kw: Placement(**kw),
     ClusterSpec: lambda **kw: ClusterSpec(**kw),
 }
 CONFIG_FIELDS = [(cls, name, bound) for cls in CONFIG_CLASSES for name, bound in _bounded_fields(cls)]

@@ -31,7 +31,8 @@ from forge import resigned
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvlink.bench.load_cluster import Cluster, ClusterConfig, metric, wait_clean
+from kvlink.bench.cluster import Cluster, ClusterSpec
+from kvlink.bench.instance_state import metric, wait_clean
 from kvlink.connector.notifs import Done, Heartbeat, encode
 from kvlink.transfer.agent import NixlAgent
 from kvlink.transfer.framing import pack_frame
@@ -46,7 +47,7 @@ HELD_PROMPT = PROMPT + " held"
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    c = Cluster(ClusterConfig(num_blocks=NUM_BLOCKS, lease_s=30.0, load_failure_policy="fail"),
+    c = Cluster(ClusterSpec(model="tiny-hybrid", num_blocks=NUM_BLOCKS, lease_s=30.0, request_timeout_s=60.0),
                 Path(tempfile.gettempdir()) / f"kvlink-badinput-{os.getpid()}")
     c.start()
     try:
@@ -200,7 +201,8 @@ def _send_raw(port: int, data: bytes, read: bool = True) -> bytes:
 
 def test_side_channel_refuses_and_counts_garbage_and_keeps_serving(cluster: Cluster) -> None:
     proxy, p_url, _ = _urls(cluster)
-    port = cluster.kv_port
+    prefill = cluster.member("prefill")
+    port, engine_id = prefill.kv_port, prefill.engine_id
     before = metric(p_url, "rejected_handshakes_total")
     unauthenticated_before = metric(p_url, "unauthenticated_handshakes_total")
     enc = msgspec.msgpack.encode
@@ -209,27 +211,27 @@ def test_side_channel_refuses_and_counts_garbage_and_keeps_serving(cluster: Clus
     def _frame(body: bytes) -> bytes:  # signed: it gets past the HMAC check to the decoder
         return pack_frame(body, secret)
 
-    request = enc({"type": "request", "version": PROTOCOL_VERSION, "engine_id": cluster.engine_id, "tp_rank": 0})
+    request = enc({"type": "request", "version": PROTOCOL_VERSION, "engine_id": engine_id, "tp_rank": 0})
     garbage = [
         struct.pack(">I", len(request)) + request,  # a good request from a D without the secret
         struct.pack(">I", 16) + b"x" * 16,  # too short to carry an HMAC
         struct.pack(">I", 100) + b"short",  # truncated
         struct.pack(">I", 2**31),  # oversized length
-        _frame(enc({"type": "request", "version": 99, "engine_id": cluster.engine_id, "tp_rank": 0})),
+        _frame(enc({"type": "request", "version": 99, "engine_id": engine_id, "tp_rank": 0})),
         _frame(enc({"type": "request", "version": PROTOCOL_VERSION, "engine_id": 5, "tp_rank": "0"})),
         _frame(enc({"type": "request", "version": PROTOCOL_VERSION})),  # missing fields
         _frame(os.urandom(64)),
         os.urandom(3),
         _frame(enc({"type": "request", "version": PROTOCOL_VERSION, "engine_id": "other", "tp_rank": 0})),
-        _frame(enc({"type": "request", "version": PROTOCOL_VERSION, "engine_id": cluster.engine_id,
+        _frame(enc({"type": "request", "version": PROTOCOL_VERSION, "engine_id": engine_id,
                     "tp_rank": 7})),
     ]
     for data in garbage:
         reply = _send_raw(port, data)
         assert b"agent_metadata" not in reply  # never a payload for a bad request
     # Still serving: a proper handshake and a request through the proxy.
-    payload = fetch_payload("127.0.0.1", port, cluster.engine_id, 0, 5.0, secret=secret)
-    assert payload.engine_id == cluster.engine_id
+    payload = fetch_payload("127.0.0.1", port, engine_id, 0, 5.0, secret=secret)
+    assert payload.engine_id == engine_id
     assert _complete(proxy, {"prompt": "after garbage", "max_tokens": 4}).status_code == 200
     deadline = time.monotonic() + 10
     while metric(p_url, "rejected_handshakes_total") < before + len(garbage):
@@ -245,7 +247,8 @@ def test_raw_agent_notifications_are_dropped_without_touching_leases(cluster: Cl
     held = _held_params(p_url)
     leases_before = cluster.state("prefill")["engine"]["connector"]["leases"]
     secret = cluster.secret.encode()
-    payload = fetch_payload("127.0.0.1", cluster.kv_port, cluster.engine_id, 0, 5.0, secret=secret)
+    prefill = cluster.member("prefill")
+    payload = fetch_payload("127.0.0.1", prefill.kv_port, prefill.engine_id, 0, 5.0, secret=secret)
     agent = NixlAgent(f"intruder-{os.getpid()}")
     try:
         name = agent.add_remote(payload.agent_metadata)

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvlink.bench.serve_cluster import Cluster, ClusterSpec, start_cluster
+from kvlink.bench.cluster import Cluster, ClusterSpec
 
 NUM_BLOCKS = 64
 BLOCK_SIZE = 16
@@ -20,19 +20,20 @@ START_TIMEOUT_S = 180.0
 def cluster_for(spec: ClusterSpec, tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[Cluster]:
     """Start `spec` (bounded wait); yield it; stop every process by PID whatever happens."""
     log_dir: Path = tmp_path_factory.mktemp(name)
-    cluster = start_cluster(spec, log_dir, progress=lambda line: None, timeout_s=START_TIMEOUT_S)
+    cluster = Cluster(spec, log_dir, progress=lambda line: None)
+    cluster.start(timeout_s=START_TIMEOUT_S)
     try:
         yield cluster
     finally:
         cluster.stop(timeout_s=10.0)
-        for service in cluster.services:
+        for service in cluster.services():
             assert service.proc.poll() is not None, f"{service.name} (pid {service.proc.pid}) still running"
 
 
 def spec(model: str, p_tp: int = 1, d_tp: int = 1, colocated: bool = True,
          transfer_mode: str = "pull") -> ClusterSpec:
     return ClusterSpec(model=model, prefill_tp=p_tp, decode_tp=d_tp, num_blocks=NUM_BLOCKS,
-                       block_size=BLOCK_SIZE, colocated=colocated, request_timeout_s=60.0,
+                       prefill_block_size=BLOCK_SIZE, decode_block_size=BLOCK_SIZE, colocated=colocated, request_timeout_s=60.0,
                        transfer_mode=transfer_mode)
 
 

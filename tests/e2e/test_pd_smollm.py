@@ -22,10 +22,10 @@ from e2e_helpers import (
 )
 from forge import resigned
 
-from kvlink.bench.load_cluster import metric
-from kvlink.bench.serve_cluster import Cluster
+from kvlink.bench.cluster import Cluster
+from kvlink.bench.instance_state import metric
 from kvlink.cli.demo_cmd import PASSAGE
-from kvlink.cli.launcher import free_port
+from kvlink.procs.launcher import free_port
 
 openai = pytest.importorskip("openai")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
@@ -176,7 +176,8 @@ def test_openai_client_through_the_proxy(smollm: Cluster) -> None:
 
 def test_bad_requests_get_4xx_saying_why_and_leak_nothing(smollm: Cluster) -> None:
     proxy, decode, _ = urls(smollm)
-    engine_id, kv_port = smollm.connectors["prefill"]
+    prefill = smollm.member("prefill")
+    engine_id, kv_port = prefill.engine_id, prefill.kv_port
     unsigned = {"do_remote_prefill": True, "remote_engine_id": engine_id, "remote_request_id": "gone",
                 "remote_block_ids": [[1]], "remote_host": "127.0.0.1", "remote_port": kv_port,
                 "tp_size": 1}

@@ -4,12 +4,13 @@ also when D's prefix cache already holds some or all of the shipped tokens."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import pytest
 from e2e_helpers import BLOCK_SIZE, assert_clean, cluster_for, completion_text, spec
 
-from kvlink.bench.serve_cluster import Cluster
+from kvlink.bench.cluster import Cluster
 from kvlink.layout.presets import TINY_HYBRID
 from kvlink.plan.report import EngineConfig, plan_report
 
@@ -26,8 +27,7 @@ PROMPTS: tuple[list[int], ...] = (
 
 @pytest.fixture(scope="module")
 def colocated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    tiny = spec(MODEL)
-    only = type(tiny)(**{**tiny.__dict__, "pd": False})
+    only = dataclasses.replace(spec(MODEL), pd=False)
     yield from cluster_for(only, tmp_path_factory, "tiny-colocated")
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from pd_faults import Expected
 
-from kvlink.bench.load_cluster import Cluster
+from kvlink.bench.cluster import Cluster
 
 
 @pytest.fixture(scope="module")
 def expected(cluster: Cluster) -> Expected:
-    """Reference answers from the cluster's colocated instance (`reference=True`)."""
-    assert cluster.reference is not None
-    return Expected(cluster.reference.url)
+    """Reference answers from the cluster's colocated instance (`colocated=True`)."""
+    assert cluster.colocated is not None
+    return Expected(cluster.colocated.url)

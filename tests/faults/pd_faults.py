@@ -15,7 +15,8 @@ from typing import Any
 
 import httpx
 
-from kvlink.bench.load_cluster import Cluster, ClusterConfig, metric
+from kvlink.bench.cluster import Cluster, ClusterSpec
+from kvlink.bench.instance_state import metric
 
 __all__ = ["metric"]
 
@@ -101,7 +102,14 @@ def wait_for(cond: Callable[[], bool], timeout_s: float, what: str) -> float:
     return time.monotonic() - started
 
 
-def running_cluster(config: ClusterConfig, name: str, timeout_s: float = 180.0) -> Iterator[Cluster]:
+def fault_spec(**overrides: Any) -> ClusterSpec:
+    """The fault cases' deployment: tiny-hybrid 1P1D, a colocated reference, D recomputing
+    failed loads, 60 s request deadlines; `overrides` on top."""
+    return ClusterSpec(**{"model": "tiny-hybrid", "num_blocks": 64, "colocated": True,
+                          "load_failure_policy": "recompute", "request_timeout_s": 60.0, **overrides})
+
+
+def running_cluster(config: ClusterSpec, name: str, timeout_s: float = 180.0) -> Iterator[Cluster]:
     """Start the cluster (logs in the temp dir, outside pytest's rotating basetemp, so they
     survive for a post-mortem), yield it, and stop every process whatever happened, first
     resuming any that a case left stopped."""
@@ -118,9 +126,7 @@ def running_cluster(config: ClusterConfig, name: str, timeout_s: float = 180.0) 
 
 
 def url_of(cluster: Cluster, which: str) -> str:
-    svc = getattr(cluster, which)
-    assert svc is not None, f"{which} is not running"
-    return str(svc.url)
+    return cluster.service(which).url
 
 
 def connector(cluster: Cluster, which: str) -> dict[str, Any]:
@@ -135,7 +141,7 @@ def request_parked_at_decode(cluster: Cluster, request: Callable[[], Result]) ->
     try:
         join = in_background(request)
         wait_for(lambda: connector(cluster, "prefill")["leases"] >= 1, 20, "P holding the request")
-        wait_for(lambda: unread_bytes(cluster.d_port) > 0, 20, "the request waiting in D's socket")
+        wait_for(lambda: unread_bytes(cluster.member("decode").port) > 0, 20, "the request waiting in D's socket")
     except BaseException:
         cluster.signal("decode", signal.SIGCONT)
         raise

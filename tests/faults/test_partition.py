@@ -21,6 +21,7 @@ from pd_faults import (
     Expected,
     complete,
     connector,
+    fault_spec,
     in_background,
     prompt_of,
     run_stream,
@@ -28,7 +29,8 @@ from pd_faults import (
     wait_for,
 )
 
-from kvlink.bench.load_cluster import Cluster, ClusterConfig, wait_clean
+from kvlink.bench.cluster import Cluster
+from kvlink.bench.instance_state import wait_clean
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(300)]
 
@@ -98,12 +100,11 @@ def topology() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def cluster(topology: None) -> Iterator[Cluster]:
-    config = ClusterConfig(num_blocks=NUM_BLOCKS, lease_s=LEASE_S, stall_timeout_s=STALL_S,
-                           quarantine_s=1.0, load_failure_policy="recompute", reference=True,
-                           prefill_host=P_KV_ADDR, decode_host=D_HTTP_ADDR,
-                           prefill_netns=NS_P, decode_netns=NS_D, env={"UCX_TLS": "tcp"},
-                           # Each side's UCX uses only its end of the P-D link.
-                           prefill_env={"UCX_NET_DEVICES": KV_P}, decode_env={"UCX_NET_DEVICES": KV_D})
+    config = fault_spec(num_blocks=NUM_BLOCKS, lease_s=LEASE_S, stall_timeout_s=STALL_S,
+                        quarantine_s=1.0, prefill_host=P_KV_ADDR, decode_host=D_HTTP_ADDR,
+                        prefill_netns=NS_P, decode_netns=NS_D, env={"UCX_TLS": "tcp"},
+                        # Each side's UCX uses only its end of the P-D link.
+                        prefill_env={"UCX_NET_DEVICES": KV_P}, decode_env={"UCX_NET_DEVICES": KV_D})
     yield from running_cluster(config, "kvlink-partition", timeout_s=180)
 
 
@@ -120,18 +121,18 @@ def _urls(c: Cluster) -> tuple[str, str, str]:
 
 
 def test_link_down_mid_transfer_then_back(cluster: Cluster) -> None:
-    assert cluster.reference is not None
-    expected = Expected(cluster.reference.url)
+    assert cluster.colocated is not None
+    expected = Expected(cluster.colocated.url)
     proxy, p_url, d_url = _urls(cluster)
     run_stream(proxy, range(0, 4), expected)
-    assert cluster.engine_id in connector(cluster, "decode")["remote_engines"]
+    assert cluster.member("prefill").engine_id in connector(cluster, "decode")["remote_engines"]
 
     # D frozen while P prefills; the link goes down; D wakes and posts its READ into the void.
     cluster.signal("decode", signal.SIGSTOP)
     try:
         join = in_background(lambda: complete(proxy, prompt_of(50), 8, STALL_S + 3 * SLACK_S))
         wait_for(lambda: connector(cluster, "prefill")["leases"] >= 1, 20, "P holding the request")
-        wait_for(lambda: _unread_in_netns(NS_D, cluster.d_port) > 0, 20, "request waiting at D")
+        wait_for(lambda: _unread_in_netns(NS_D, cluster.member("decode").port) > 0, 20, "request waiting at D")
         _ip("link", "set", KV_D, "down", netns=NS_D)
         cut = time.monotonic()
     finally:

@@ -25,6 +25,7 @@ from pd_faults import (
     Result,
     complete,
     connector,
+    fault_spec,
     in_background,
     metric,
     prompt_of,
@@ -36,7 +37,8 @@ from pd_faults import (
     wait_for,
 )
 
-from kvlink.bench.load_cluster import Cluster, ClusterConfig, wait_clean
+from kvlink.bench.cluster import Cluster
+from kvlink.bench.instance_state import wait_clean
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -52,9 +54,8 @@ SLACK_S = 4.0
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    config = ClusterConfig(num_blocks=NUM_BLOCKS, lease_s=LEASE_S, stall_timeout_s=STALL_S,
-                           quarantine_s=QUARANTINE_S, load_failure_policy="recompute", reference=True,
-                           env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"})
+    config = fault_spec(num_blocks=NUM_BLOCKS, lease_s=LEASE_S, stall_timeout_s=STALL_S,
+                        quarantine_s=QUARANTINE_S, env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"})
     yield from running_cluster(config, "kvlink-faults")
 
 
@@ -142,7 +143,7 @@ def test_p_restarted_same_engine_id_with_requests_of_both_lives(cluster: Cluster
     old P's lease (a restart outlasts LEASE_S) or, were they still valid, because D sees the
     new incarnation and fails the load. Never wrong text."""
     d_url, p_url = url_of(cluster, "decode"), url_of(cluster, "prefill")
-    assert cluster.engine_id in connector(cluster, "decode")["remote_engines"]
+    assert cluster.member("prefill").engine_id in connector(cluster, "decode")["remote_engines"]
     tag = f"rs{os.getpid()}"
     old_params = httpx.post(p_url + "/v1/completions", timeout=30, json={
         "prompt": prompt_of(300), "max_tokens": 1, "temperature": 0,
@@ -187,8 +188,7 @@ def test_d_killed_with_the_request_accepted_p_frees_on_lease_expiry(
     wait_for(lambda: metric(url_of(cluster, "prefill"), "expired_leases_total") >= 1, 5, "expiry counted")
     print(f"P free again {took} s after D's death (lease {LEASE_S} s)")
     # The next cases run D with policy `fail`: a failed load is a clear error, never wrong text.
-    cluster.config.load_failure_policy = "fail"
-    cluster.restart("decode")
+    cluster.restart("decode", extra_args=["--load-failure-policy", "fail"])
     run_stream(url_of(cluster, "proxy"), range(401, 405), expected)
     _assert_clean(cluster, 5)
 

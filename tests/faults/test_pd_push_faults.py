@@ -21,6 +21,7 @@ from pd_faults import (
     Result,
     complete,
     connector,
+    fault_spec,
     metric,
     prompt_of,
     request_parked_at_decode,
@@ -30,7 +31,8 @@ from pd_faults import (
     wait_for,
 )
 
-from kvlink.bench.load_cluster import Cluster, ClusterConfig, wait_clean
+from kvlink.bench.cluster import Cluster
+from kvlink.bench.instance_state import wait_clean
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -45,10 +47,9 @@ SLACK_S = 4.0
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    config = ClusterConfig(num_blocks=NUM_BLOCKS, lease_s=LEASE_S, stall_timeout_s=STALL_S,
-                           quarantine_s=QUARANTINE_S, load_failure_policy="recompute", reference=True,
-                           env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"},
-                           extra_args=["--transfer-mode", "push"])
+    config = fault_spec(num_blocks=NUM_BLOCKS, lease_s=LEASE_S, stall_timeout_s=STALL_S,
+                        quarantine_s=QUARANTINE_S, env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"},
+                        transfer_mode="push")
     yield from running_cluster(config, "kvlink-push-faults")
 
 

@@ -19,6 +19,7 @@ import pytest
 from pd_faults import (
     Expected,
     complete,
+    fault_spec,
     prompt_of,
     request_parked_at_decode,
     run_stream,
@@ -26,7 +27,8 @@ from pd_faults import (
     url_of,
 )
 
-from kvlink.bench.load_cluster import Cluster, ClusterConfig, wait_clean
+from kvlink.bench.cluster import Cluster
+from kvlink.bench.instance_state import wait_clean
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -40,10 +42,9 @@ STEP_TIMEOUT_S = 4.0
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    config = ClusterConfig(num_blocks=NUM_BLOCKS, lease_s=LEASE_S, stall_timeout_s=STALL_S,
-                           quarantine_s=3.0, load_failure_policy="recompute", reference=True,
-                           env={"UCX_NET_DEVICES": "lo"},
-                           prefill_args=["--tp", "2", "--tp-step-timeout-s", str(STEP_TIMEOUT_S)])
+    config = fault_spec(num_blocks=NUM_BLOCKS, lease_s=LEASE_S, stall_timeout_s=STALL_S,
+                        quarantine_s=3.0, env={"UCX_NET_DEVICES": "lo"}, prefill_tp=2,
+                        prefill_args=["--tp-step-timeout-s", str(STEP_TIMEOUT_S)])
     yield from running_cluster(config, "kvlink-tp-faults")
 
 

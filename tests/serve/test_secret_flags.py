@@ -17,9 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvlink.cli.launcher import Service, free_port, start_service, stop_all, wait_healthy
 from kvlink.connector.params import parse_remote_prefill, sign
 from kvlink.connector.secret import MIN_SECRET_BYTES, SECRET_ENV, new_secret
+from kvlink.procs.launcher import Service, free_port, start_service, stop_all, wait_healthy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 COMMON = ["--model", "tiny-hybrid", "--num-blocks", "16", "--threads", "1"]

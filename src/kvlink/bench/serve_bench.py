@@ -22,8 +22,9 @@ from typing import Any
 
 import httpx
 
+from kvlink.bench.cluster import ClusterSpec, running_cluster
+from kvlink.bench.placement import Placement
 from kvlink.bench.serve_client import Answer, stream_completion
-from kvlink.bench.serve_cluster import ClusterSpec, Placement, running_cluster
 from kvlink.layout.limits import (
     CONCURRENCY,
     COUNT,

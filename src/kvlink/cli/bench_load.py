@@ -67,12 +67,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvlink.bench.load_cluster import Cluster, ClusterConfig
+    from kvlink.bench.cluster import Cluster, ClusterSpec
+    from kvlink.bench.placement import Placement
 
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvlink-bench-load-"))
-    config = ClusterConfig(model=args.model, num_blocks=args.num_blocks, threads=args.threads,
-                           lease_s=30.0, request_timeout_s=120.0, proxy_timeout_s=120.0)
-    cluster = Cluster(config, log_dir)
+    spec = ClusterSpec(model=args.model, num_blocks=args.num_blocks, lease_s=30.0,
+                       request_timeout_s=120.0, load_failure_policy="recompute",
+                       placement=Placement(threads_per_rank=args.threads))
+    cluster = Cluster(spec, log_dir)
     print(f"kvlink bench load: model {args.model}, logs in {log_dir}")
     started = time.monotonic()
     cluster.start(timeout_s=300)
@@ -105,15 +107,15 @@ def _load(cluster: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _leak_check(cluster: Any) -> dict[str, Any]:
-    from kvlink.bench.load_cluster import leaks, wait_clean
+    from kvlink.bench.instance_state import leaks, wait_clean
 
     urls = {"prefill": cluster.prefill.url, "decode": cluster.decode.url}
     try:
-        took = wait_clean(list(urls.values()), cluster.config.num_blocks, timeout_s=60)
+        took = wait_clean(list(urls.values()), cluster.spec.num_blocks, timeout_s=60)
         found: dict[str, list[str]] = {}
     except AssertionError:
         took = {}
-        found = {side: leaks(cluster.state(side), cluster.config.num_blocks) for side in urls}
+        found = {side: leaks(cluster.state(side), cluster.spec.num_blocks) for side in urls}
     out: dict[str, Any] = {"leaks": {k: v for k, v in found.items() if v}}
     for side in urls:
         connector = cluster.state(side)["engine"].get("connector", {})

@@ -31,8 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvlink.bench.placement import Placement
     from kvlink.bench.serve_bench import BenchConfig, plot, run_bench, table, write_json
-    from kvlink.bench.serve_cluster import Placement
 
     placement = Placement() if args.no_pin else Placement.pinned()
     config = BenchConfig(args.model, args.prompt_len, args.requests, args.concurrency,

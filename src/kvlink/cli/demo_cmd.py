@@ -76,12 +76,13 @@ class Row:
 def run(args: argparse.Namespace) -> int:
     import httpx
 
+    from kvlink.bench.cluster import ClusterSpec, running_cluster
+    from kvlink.bench.instance_state import tails
     from kvlink.bench.serve_client import ServeError, stream_chat
-    from kvlink.bench.serve_cluster import ClusterSpec, Placement, running_cluster, tails
 
     started = time.monotonic()
     spec = ClusterSpec(model=args.model, prefill_tp=args.p_tp, decode_tp=args.d_tp,
-                       num_blocks=args.num_blocks, placement=Placement())
+                       num_blocks=args.num_blocks, colocated=True)
     print(f"kvlink demo: {args.model}, P tp={args.p_tp} -> D tp={args.d_tp}, greedy, "
           f"max_tokens={args.max_tokens}", flush=True)
     rows: list[Row] = []
@@ -102,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
                         pd = stream_chat(client, cluster.proxy.url, messages, args.max_tokens)
                         colocated = stream_chat(client, cluster.colocated.url, messages, args.max_tokens)
                     except (ServeError, httpx.HTTPError) as error:
-                        print(f"request failed: {error}\n{tails(cluster.services)}", flush=True)
+                        print(f"request failed: {error}\n{tails(cluster.services())}", flush=True)
                         return 1
                     row = Row(name, pd.text, colocated.text, _figures_line(pd, colocated))
                     rows.append(row)

@@ -63,7 +63,6 @@ def _connector_config(args: argparse.Namespace) -> Any:
 
 def build_engine(args: argparse.Namespace, progress: Progress = print) -> ServedEngine:
     """Model + tokenizer + engine (+ connector) for `args.role`; prints progress while loading."""
-    from kvlink.cli.launcher import free_port
     from kvlink.connector.scheduler import NixlScheduler
     from kvlink.connector.stats import PrometheusExporter
     from kvlink.connector.tap import StatsTap
@@ -73,6 +72,7 @@ def build_engine(args: argparse.Namespace, progress: Progress = print) -> Served
     from kvlink.engine.tokenizer import Tokenizer
     from kvlink.engine.tp import TPConnectorWorker, TPModel, all_reduce, init_group, stop_followers
     from kvlink.engine.tp_worker import launch_followers
+    from kvlink.procs.launcher import free_port
     from kvlink.transfer.agent_config import AgentConfig
 
     started = time.monotonic()

@@ -37,23 +37,32 @@ class Service:
 
 
 def start_service(name: str, args: Sequence[str], port: int, log_dir: Path,
-                  env: dict[str, str] | None = None, cpus: Sequence[int] | None = None) -> Service:
+                  env: dict[str, str] | None = None, cpus: Sequence[int] | None = None,
+                  host: str = "127.0.0.1", prefix: Sequence[str] = ()) -> Service:
     """Run `kvlink <args>` in its own process group, output to `log_dir/<name>.log`.
 
-    `cpus` pins the process (and the TP followers it starts) to those cores.
+    `cpus` pins the process (and the TP followers it starts) to those cores; `prefix`
+    goes before the interpreter (e.g. `ip netns exec NS`); the service answers at `host:port`.
     """
+    argv = [*prefix, sys.executable, "-m", "kvlink.cli.main", *args]
+    return start_process(name, argv, f"http://{host}:{port}", log_dir, env, cpus)
+
+
+def start_process(name: str, argv: Sequence[str], url: str, log_dir: Path,
+                  env: dict[str, str] | None = None, cpus: Sequence[int] | None = None) -> Service:
+    """Run `argv` in its own process group, output to `log_dir/<name>.log`; it will answer at `url`."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     full_env = {**os.environ, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"),
                 "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "kvlink.cli.main", *args], stdout=log,
-                                stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+        proc = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, env=full_env,
+                                start_new_session=True)
     if cpus:
         # Set before the interpreter has started any thread; later threads and children inherit it.
         with contextlib.suppress(ProcessLookupError):
             os.sched_setaffinity(proc.pid, set(cpus))
-    return Service(name, proc, f"http://127.0.0.1:{port}", log_path)
+    return Service(name, proc, url, log_path)
 
 
 def wait_healthy(services: Sequence[Service], timeout_s: float,
