@@ -195,6 +195,9 @@ def test_statuses_a_router_acts_on(cluster: Cluster) -> None:
             assert (error["code"], error["param"]) == ("model_not_found", "model"), error
             assert served in error["message"]
     assert _complete(proxy, {"prompt": "named", "max_tokens": 2, "model": served}).status_code == 200
+    for url in (d_url, proxy):
+        r = httpx.post(url + "/v1/embeddings", json={"input": "x"}, timeout=10)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", r.text
     too_long = {"prompt": [1] * 4096, "max_tokens": 2}
     for url in (d_url, proxy):
         r = _complete(url, too_long)

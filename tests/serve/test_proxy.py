@@ -152,6 +152,7 @@ def test_upstream_failures_become_clear_http_errors(
         # An instance busy or dead: 503 with its Retry-After (1 s when it gave none).
         ("prefill", 503, "engine_dead", {"Retry-After": "5"}, 503, "engine_dead", "5"),
         ("decode", 503, None, None, 503, "decode_unavailable", "1"),
+        ("decode", 503, None, {"Retry-After": "\u00b2"}, 503, "decode_unavailable", "1"),
         ("decode", 500, "internal_error", None, 502, "decode_failed", None),
         # A code that is not one of ours is not passed on (it would become a metric label).
         ("prefill", 400, 'x"} 1\nevil', None, 400, "prefill_refused", None),

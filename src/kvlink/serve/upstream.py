@@ -103,7 +103,8 @@ def _error_field(response: httpx.Response, name: str) -> str | None:
 
 def _retry_after(response: httpx.Response) -> int:
     value = response.headers.get("retry-after", "")
-    return int(value) if value.isdigit() and len(value) <= 6 else _DEFAULT_RETRY_AFTER_S
+    # Seconds only (not an HTTP date); isdigit() alone also takes digits like "²" int() refuses.
+    return int(value) if value.isascii() and value.isdigit() and len(value) <= 6 else _DEFAULT_RETRY_AFTER_S
 
 
 def status_error(side: str, url: str, response: httpx.Response) -> APIError:
