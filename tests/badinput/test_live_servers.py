@@ -9,6 +9,9 @@
   random frames: each is refused and counted, and P keeps serving handshakes and requests.
 * A raw NIXL agent that loaded P's metadata from its handshake sends unsigned garbage and
   signed notifications for unknown requests: dropped and counted, no lease changes.
+* The statuses a router acts on (docs/serving.md, "Errors"): an unknown model is 404
+  `model_not_found` on P, D and the proxy; a prompt over the context is 400; params naming a
+  P nobody listens for (P dead) are a retryable 502 `kv_load_failed` from D.
 * Everything listens on 127.0.0.1 by default.
 """
 
@@ -178,6 +181,41 @@ def test_random_bodies_never_5xx(cluster: Cluster, body: dict[str, Any]) -> None
     assert r.status_code < 500, f"{body}: HTTP {r.status_code} {r.text[:300]}"
     if r.status_code >= 400:
         assert r.json()["error"]["message"]
+
+
+def test_statuses_a_router_acts_on(cluster: Cluster) -> None:
+    proxy, p_url, d_url = _urls(cluster)
+    served = httpx.get(d_url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for url in (p_url, d_url, proxy):
+        for route, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 2, "stream": True}),
+                            ("/v1/chat/completions", chat)):
+            r = httpx.post(url + route, json={**body, "model": "gpt-4o"}, timeout=30)
+            assert r.status_code == 404, f"{url}{route}: HTTP {r.status_code} {r.text[:300]}"
+            error = r.json()["error"]
+            assert (error["code"], error["param"]) == ("model_not_found", "model"), error
+            assert served in error["message"]
+    assert _complete(proxy, {"prompt": "named", "max_tokens": 2, "model": served}).status_code == 200
+    for url in (d_url, proxy):
+        r = httpx.post(url + "/v1/embeddings", json={"input": "x"}, timeout=10)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", r.text
+    too_long = {"prompt": [1] * 4096, "max_tokens": 2}
+    for url in (d_url, proxy):
+        r = _complete(url, too_long)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    # P gone after answering: D cannot reach it. Not the client's fault, so not a 4xx.
+    good = _held_params(p_url)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        closed_port = sock.getsockname()[1]
+    gone = resigned(good, cluster.secret, remote_engine_id="gone-p", remote_port=closed_port)
+    r = _complete(d_url, {"prompt": HELD_PROMPT, "max_tokens": 2, "temperature": 0, "kv_transfer_params": gone})
+    assert r.status_code == 502, f"HTTP {r.status_code} {r.text[:300]}"
+    error = r.json()["error"]
+    assert error["code"] == "kv_load_failed" and "Connection refused" in error["message"], error
+    # The held request is intact and loads from the real P.
+    r = _complete(d_url, {"prompt": HELD_PROMPT, "max_tokens": 2, "temperature": 0, "kv_transfer_params": good})
+    assert r.status_code == 200, r.text
 
 
 def test_d_clean_after_bad_input(cluster: Cluster) -> None:

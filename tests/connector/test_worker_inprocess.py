@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 
 import numpy as np
@@ -70,6 +71,39 @@ def test_pull_hybrid_tp1_bytes_match_and_p_frees() -> None:
         assert stats["counters"]["transfers_total"] == 1
         assert stats["counters"]["bytes_total"] > 0
         assert not p.leases.leases
+    finally:
+        d.shutdown()
+        p.shutdown()
+
+
+def test_handshake_failure_says_whether_the_params_or_the_peer_are_at_fault() -> None:
+    """Nobody listening (P dead) is the peer's failure, worth retrying through another P; a
+    listener serving another engine means the params name what is not there."""
+    model = TINY_HYBRID
+    p_mem = real_worker(model, 1, 0, 16, 16, 32, seed=1)
+    d_mem = real_worker(model, 1, 0, 16, 16, 32, seed=2)
+    p = NixlWorker(ConnectorConfig("P", side_channel_port=0), model, 1, 0, 16, 16, 32)
+    d = NixlWorker(ConnectorConfig("D", side_channel_port=0), model, 1, 0, 16, 16, 32)
+    try:
+        p.register_kv_caches(*region_sizes(p_mem))
+        d.register_kv_caches(*region_sizes(d_mem))
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            closed_port = sock.getsockname()[1]
+
+        def load(rid: str, engine_id: str, port: int) -> dict[str, object]:
+            return {"request_id": rid, "remote_request_id": "p1", "remote_engine_id": engine_id,
+                    "remote_host": "127.0.0.1", "remote_port": port, "remote_tp_size": 1,
+                    "remote_block_ids": [[1, 2], [3]], "transfer_mode": "pull",
+                    "local_block_ids": [[4, 5], [6]], "local_computed_tokens": 0, "num_tokens": 20}
+
+        d.start_load_kv(StepMetadata(loads=[load("dead", "P-gone", closed_port),
+                                            load("wrong", "not-P", p.side_channel_port)]))
+        outs = poll_until([d], lambda o: {"dead", "wrong"} <= set().union(*(x.failed_recving for x in o)))
+        failures = {rid: f for x in outs for rid, f in x.load_failures.items()}
+        assert not failures["dead"].bad_params and not failures["dead"].stalled, failures["dead"]
+        assert "Connection refused" in failures["dead"].reason
+        assert failures["wrong"].bad_params, failures["wrong"]
     finally:
         d.shutdown()
         p.shutdown()

@@ -16,6 +16,7 @@ import torch
 from kvlink.connector.api import (
     ConnectorScheduler,
     ConnectorWorker,
+    LoadFailure,
     LoadFailurePolicy,
     RequestView,
     StepMetadata,
@@ -82,6 +83,7 @@ class CopyingWorker(ConnectorWorker):
         self.source, self.local = source, list[torch.Tensor]()
         self.fail, self.hold, self.pending = set[str](), set[str](), WorkerOutput()
         self.quarantine: dict[str, float] = {}  # failed ids reported as stalled: keep blocks this long
+        self.failures: dict[str, LoadFailure] = {}  # why a failed id failed, as the real worker says
         self.registered: tuple[list[int], list[int]] | None = None
 
     def register_kv_caches(self, base_addrs: Sequence[int], nbytes: Sequence[int]) -> None:
@@ -104,7 +106,8 @@ class CopyingWorker(ConnectorWorker):
         failed = done.failed_recving - held
         return WorkerOutput(done.finished_sending, done.finished_recving - held, failed,
                             done.invalid_block_ids,
-                            quarantine_s={r: s for r, s in self.quarantine.items() if r in failed})
+                            quarantine_s={r: s for r, s in self.quarantine.items() if r in failed},
+                            load_failures={r: f for r, f in self.failures.items() if r in failed})
 
     def shutdown(self) -> None: ...
 
@@ -203,6 +206,30 @@ def test_failed_load_follows_the_policy(model: TinyHybridModel, colocated: list[
     else:
         assert [(o.finished, o.finish_reason) for o in out] == [(True, "error")]
         assert "load_failure_policy" in (out[0].error or "") and "'x'" in (out[0].error or "")
+    p_worker.pending.finished_sending.add("x")
+    drain(p)
+    assert_all_free(p, d)
+
+
+@pytest.mark.parametrize(("failure", "kind"), [
+    (LoadFailure("READ failed: nixlRemoteDisconnectError"), "kv_load_failed"),
+    (LoadFailure("handshake failed: Connection refused"), "kv_load_failed"),
+    (LoadFailure("stalled: no progress for 2s", stalled=True), "kv_load_stalled"),
+    (LoadFailure("block ids outside the pool", bad_params=True), "bad_kv_transfer_params"),
+    (LoadFailure("P restarted", forbidden=True), "forbidden_kv_transfer_params"),
+])
+def test_failed_load_under_policy_fail_says_why_in_error_kind(
+        model: TinyHybridModel, failure: LoadFailure, kind: str) -> None:
+    """The server turns `error_kind` into the HTTP status a router acts on (docs/serving.md)."""
+    p, p_worker, params = prefill_on_p(model)
+    worker = CopyingWorker(source=p)
+    worker.fail.add("x")
+    worker.failures["x"] = failure
+    d = engine(model, FakeConnector("fail"), worker)
+    d.add_request("x", PROMPT, PARAMS, params)
+    [out] = drain(d)["x"]
+    assert (out.finish_reason, out.error_kind) == ("error", kind)
+    assert failure.reason in (out.error or "")
     p_worker.pending.finished_sending.add("x")
     drain(p)
     assert_all_free(p, d)

@@ -2,8 +2,9 @@
 
 The fake follows the engine contract (add_request / abort / step / has_unfinished /
 stats, one thread) and generates "abcd..." so outputs are predictable. Prompts
-steer it: "hang" never produces a token, "fail" finishes with an error, "crash"
-makes step() raise. The real engine is exercised by test_real_server.py.
+steer it: "hang" never produces a token, "fail" finishes with an error ("fail:KIND"
+with the engine's error_kind KIND, "late-fail" after two tokens), "crash" makes
+step() raise. The real engine is exercised by test_real_server.py.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class FakeOutput:
     error: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     kv_bytes: int | None = None
+    error_kind: str | None = None
 
 
 @dataclass
@@ -90,9 +92,11 @@ class FakeEngine:
                 continue
             if "slow" in text:
                 time.sleep(0.05)
-            if "fail" in text:
+            if "fail" in text and ("late-fail" not in text or req.produced >= 2):
                 del self.running[request_id]
-                outputs.append(FakeOutput(request_id, [], True, "error", "simulated KV load failure"))
+                kind = text.split("fail:", 1)[1].split()[0] if "fail:" in text else None
+                outputs.append(FakeOutput(request_id, [], True, "error", "simulated KV load failure",
+                                          error_kind=kind))
                 continue
             token = ord("a") + req.produced % 26
             req.produced += 1

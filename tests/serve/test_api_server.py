@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from typing import Any
 
@@ -78,11 +79,80 @@ def test_bad_requests_get_openai_style_400s(fake_app: Any) -> None:
             assert error["type"] == "invalid_request_error"
 
 
-def test_engine_error_before_first_token_is_an_http_error(fake_app: Any) -> None:
+@pytest.mark.parametrize(("prompt", "status", "code"), [
+    ("fail:kv_load_failed", 502, "kv_load_failed"),  # P dead, unreachable or broke off: retry
+    ("fail:kv_load_stalled", 504, "kv_load_timeout"),  # the stall deadline passed: retry
+    ("fail:bad_kv_transfer_params", 400, "invalid_kv_transfer_params"),  # never works
+    ("fail:forbidden_kv_transfer_params", 403, "forbidden_kv_transfer_params"),
+    ("fail", 500, "generation_failed"),  # an engine error with no kind
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_engine_error_before_first_token_gets_the_status_a_router_acts_on(
+        fake_app: Any, prompt: str, status: int, code: str, stream: bool) -> None:
     with TestClient(fake_app) as client:
-        response = client.post("/v1/completions", json={"prompt": "fail", "stream": True})
-    assert response.status_code == 500
-    assert "simulated KV load failure" in response.json()["error"]["message"]
+        response = client.post("/v1/completions", json={"prompt": prompt, "stream": stream})
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["code"] == code and "simulated KV load failure" in error["message"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert "retry-after" not in response.headers
+
+
+def test_error_after_the_first_token_is_an_sse_error_event(fake_app: Any) -> None:
+    with TestClient(fake_app) as client:
+        response = client.post("/v1/completions", json={"prompt": "late-fail:kv_load_failed",
+                                                        "max_tokens": 8, "stream": True})
+    assert response.status_code == 200  # sent with the first token
+    events = _events(response)
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == "ab"
+    assert events[-1]["error"]["code"] == "kv_load_failed"
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_unknown_model_is_404_model_not_found(fake_app: Any, route: str) -> None:
+    body = {"prompt": "hi", "max_tokens": 2} if route == "/v1/completions" else \
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with TestClient(fake_app) as client:
+        wrong = client.post(route, json={**body, "model": "gpt-4o"})
+        right = client.post(route, json={**body, "model": "fake-model"})
+        unnamed = client.post(route, json=body)
+    assert wrong.status_code == 404
+    assert wrong.json()["error"] == {
+        "message": wrong.json()["error"]["message"], "type": "invalid_request_error",
+        "param": "model", "code": "model_not_found"}
+    assert "gpt-4o" in wrong.json()["error"]["message"] and "fake-model" in wrong.json()["error"]["message"]
+    assert right.status_code == 200 and unnamed.status_code == 200
+
+
+def test_unknown_route_is_an_openai_style_404(fake_app: Any) -> None:
+    with TestClient(fake_app) as client:
+        response = client.post("/v1/embeddings", json={})
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "not_found"
+    assert "/v1/embeddings" in response.json()["error"]["message"]
+
+
+def test_busy_engine_is_503_with_retry_after(fake_app: Any, fake_engine: FakeEngine) -> None:
+    fake_engine.add_gate = threading.Event()  # add_request waits: the engine does not take it
+    try:
+        with TestClient(fake_app) as client:
+            response = client.post("/v1/completions", json={"prompt": "hi"})
+    finally:
+        fake_engine.add_gate.set()
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "engine_overloaded"
+    assert response.headers["retry-after"] == "1"
+
+
+def test_dead_engine_is_503_with_retry_after(fake_app: Any) -> None:
+    with TestClient(fake_app) as client:
+        crashed = client.post("/v1/completions", json={"prompt": "crash"})
+        after = client.post("/v1/completions", json={"prompt": "hi"})
+        health = client.get("/health")
+    for response in (crashed, after, health):
+        assert response.status_code == 503
+        assert response.json()["error"]["code"] == "engine_dead"
+        assert response.headers["retry-after"] == "5"
 
 
 def test_silent_request_gets_504_not_a_hang(fake_app: Any, fake_engine: FakeEngine) -> None:

@@ -150,6 +150,7 @@ def test_a_call_cancelled_before_it_runs_does_not_kill_the_engine(async_engine: 
         queued = asyncio.ensure_future(async_engine.call(lambda engine: ran.append(True)))
         await asyncio.sleep(0.05)
         queued.cancel()
+        await asyncio.sleep(0.05)  # the cancel reaches the queued command on the loop's next turn
         gate.set()
         await blocker
         assert await async_engine.stats() is not None  # the engine thread is alive and serving

@@ -38,15 +38,18 @@ def fake_instance(role: str, engine: FakeEngine) -> Iterator[str]:
         async_engine.shutdown()
 
 
-def misbehaving_app(status: int | None) -> FastAPI:
-    """Answers every completion with `status`, or never answers when `status` is None."""
+def misbehaving_app(status: int | None, code: str | None = None,
+                    headers: dict[str, str] | None = None) -> FastAPI:
+    """Answers every completion with `status` (and error `code`, `headers`), or never
+    answers when `status` is None."""
     app = FastAPI()
 
     @app.post("/v1/completions")
     async def completions() -> JSONResponse:
         if status is None:
             await asyncio.sleep(3600)
-        return JSONResponse({"error": {"message": "simulated upstream failure"}}, status_code=status)
+        return JSONResponse({"error": {"message": "simulated upstream failure", "code": code}},
+                            status_code=status, headers=headers)
 
     return app
 
@@ -132,6 +135,57 @@ def test_upstream_failures_become_clear_http_errors(
     assert time.monotonic() - started < 5
     assert response.status_code == expected_status
     assert expected.format(url=bad_url) in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("side", "status", "code", "headers", "expected_status", "expected_code", "retry_after"),
+    [
+        # The client's request is at fault: status and code pass through.
+        ("prefill", 404, "model_not_found", None, 404, "model_not_found", None),
+        ("prefill", 400, "context_length_exceeded", None, 400, "context_length_exceeded", None),
+        # D refuses the params P made: not the client's fault, retryable.
+        ("decode", 400, "invalid_kv_transfer_params", None, 502, "decode_kv_load_failed", None),
+        ("decode", 403, "forbidden_kv_transfer_params", None, 502, "decode_kv_load_failed", None),
+        # D could not load the KV (P dead) or waited past its stall deadline.
+        ("decode", 502, "kv_load_failed", None, 502, "kv_load_failed", None),
+        ("decode", 504, "kv_load_timeout", None, 504, "kv_load_timeout", None),
+        # An instance busy or dead: 503 with its Retry-After (1 s when it gave none).
+        ("prefill", 503, "engine_dead", {"Retry-After": "5"}, 503, "engine_dead", "5"),
+        ("decode", 503, None, None, 503, "decode_unavailable", "1"),
+        ("decode", 503, None, {"Retry-After": "\u00b2"}, 503, "decode_unavailable", "1"),
+        ("decode", 500, "internal_error", None, 502, "decode_failed", None),
+        # A code that is not one of ours is not passed on (it would become a metric label).
+        ("prefill", 400, 'x"} 1\nevil', None, 400, "prefill_refused", None),
+    ],
+)
+def test_upstream_statuses_are_passed_on_or_translated(
+    side: str, status: int, code: str | None, headers: dict[str, str] | None, expected_status: int,
+    expected_code: str, retry_after: str | None,
+) -> None:
+    good = FakeEngine()
+    with ExitStack() as stack:
+        good_url = stack.enter_context(fake_instance(side, good))
+        bad_url = stack.enter_context(serve_in_thread(misbehaving_app(status, code, headers)))
+        urls = (bad_url, good_url) if side == "prefill" else (good_url, bad_url)
+        proxy = stack.enter_context(serve_in_thread(build_proxy_app([urls[0]], [urls[1]], timeout_s=5.0)))
+        response = httpx.post(f"{proxy}/v1/completions", json={"prompt": "hi"}, timeout=10)
+        metrics = httpx.get(f"{proxy}/metrics", timeout=5).text
+    assert response.status_code == expected_status
+    error = response.json()["error"]
+    assert error["code"] == expected_code and bad_url in error["message"], error
+    assert response.headers.get("retry-after") == retry_after
+    assert f'kvlink_proxy_requests_total{{outcome="{expected_code}"}} 1' in metrics
+
+
+def test_unknown_model_through_the_proxy_is_404_from_p(pd: tuple[str, FakeEngine, FakeEngine]) -> None:
+    proxy_url, p_engine, d_engine = pd
+    response = httpx.post(f"{proxy_url}/v1/completions", timeout=10,
+                          json={"prompt": "hi", "model": "gpt-4o"})
+    assert response.status_code == 404
+    error = response.json()["error"]
+    assert (error["code"], error["param"], error["type"]) == ("model_not_found", "model",
+                                                              "invalid_request_error")
+    assert not p_engine.seen and not d_engine.seen
 
 
 def test_pool_picks_least_loaded_and_rotates_ties() -> None:

@@ -55,11 +55,14 @@ class LoadFailure:
     ids outside the peer's pool). Sending the same request again fails again.
     `forbidden`: the params no longer grant access to P's blocks (P restarted since it made
     them): nothing was read, and reading would have returned another request's KV.
+    `stalled`: the transfer made no progress before the stall deadline (P frozen or cut off).
+    Anything else (P unreachable, dead or broken mid-transfer) is worth retrying elsewhere.
     """
 
     reason: str
     bad_params: bool = False
     forbidden: bool = False
+    stalled: bool = False
 
 
 @dataclass

@@ -18,6 +18,7 @@ from kvlink.connector.stats import ConnectorStats
 from kvlink.layout.geometry import WorkerGeometry
 from kvlink.plan.tp_mapping import compute_tp_mapping
 from kvlink.transfer.agent import NixlAgent
+from kvlink.transfer.side_channel import EngineMismatch, HandshakeRefused
 
 log = logging.getLogger("kvlink.connector")
 Key = tuple[str, str, int]
@@ -50,21 +51,25 @@ class EngineDirectory:
         return None
 
     def collect(self, agent: NixlAgent, local: WorkerGeometry,
-                on_failure: Callable[[str, str], None]) -> None:
-        """Apply finished handshakes; `on_failure(engine_id, reason)` for each that failed."""
+                on_failure: Callable[[str, str, bool], None]) -> None:
+        """Apply finished handshakes; `on_failure(engine_id, reason, bad_params)` for each that
+        failed. `bad_params`: the params name what is not there (another engine answers at
+        that address, or one D cannot read from); otherwise P could not be reached (dead,
+        restarting, not answering), which a retry through another P may not meet."""
         for key, result in self.handshakes.take_done():
             engine_id = str(key[0]) if isinstance(key, tuple) else str(key)
             if isinstance(result, BaseException):
                 self.stats.count("failed_handshakes_total")
                 log.warning("handshake with engine %s failed: %s", engine_id, result)
-                on_failure(engine_id, f"handshake failed: {result}")
+                wrong_engine = isinstance(result, (HandshakeRefused, EngineMismatch))
+                on_failure(engine_id, f"handshake failed: {result}", wrong_engine)
                 continue
             try:
                 self.engines[engine_id] = connect_reader(agent, local, engine_id, result)
             except Exception as exc:  # incompatible layout, NIXL refusal: fail its requests, keep serving
                 self.stats.count("refused_peers_total")
                 log.error("refusing engine %s: %s", engine_id, exc)
-                on_failure(engine_id, f"remote engine refused: {exc}")
+                on_failure(engine_id, f"remote engine refused: {exc}", True)
 
     def drop(self, agent: NixlAgent | None, engine_id: str) -> None:
         engine = self.engines.pop(engine_id, None)

@@ -104,7 +104,7 @@ class PullReader:
         if stalled:
             # A frozen peer over TCP may still deliver the READ later: keep the blocks out of use.
             w.out.quarantine_s[load.request_id] = w.config.quarantine_s
-        w.fail_request(load.request_id, load.blocks, reason)
+        w.fail_request(load.request_id, load.blocks, reason, stalled=stalled)
 
     def on_polled(self, t: Transfer, failed: bool) -> bool:
         """Handle one finished READ of ours; False if it is not a pull transfer."""

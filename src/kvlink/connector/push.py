@@ -115,7 +115,8 @@ class PushWriter:
                 # A frozen P may still take the push request, or finish its WRITE, later: keep
                 # the blocks out of use as a stalled pull's are.
                 w.out.quarantine_s[rid] = w.config.quarantine_s
-                w.fail_request(rid, load.blocks, "stalled: no push completion before the deadline")
+                w.fail_request(rid, load.blocks, "stalled: no push completion before the deadline",
+                               stalled=True)
         for key, result in self.handshakes.take_done():
             assert isinstance(key, tuple)
             d_engine, _, _, d_rank = key

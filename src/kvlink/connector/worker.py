@@ -141,23 +141,23 @@ class NixlWorker(ConnectorWorker):
                 self.notify(engine, entry, kind)
         self._waiting = still
 
-    def _fail_waiting(self, engine_id: str, reason: str) -> None:
+    def _fail_waiting(self, engine_id: str, reason: str, bad_params: bool) -> None:
         keep = []
         for kind, entry in self._waiting:
             if entry["remote_engine_id"] == engine_id:
-                self._give_up(kind, entry, reason)
+                self._give_up(kind, entry, reason, bad_params)
             else:
                 keep.append((kind, entry))
         self._waiting = keep
 
-    def _give_up(self, kind: str, entry: dict[str, Any], reason: str) -> None:
+    def _give_up(self, kind: str, entry: dict[str, Any], reason: str, bad_params: bool) -> None:
         if kind == "load":
-            self.fail_request(entry["request_id"], all_blocks(entry), reason, bad_params=True)
+            self.fail_request(entry["request_id"], all_blocks(entry), reason, bad_params=bad_params)
         else:
             self.stats.count("failed_notifications_total")
 
     def fail_request(self, rid: str, blocks: set[int], reason: str, bad_params: bool = False,
-                     forbidden: bool = False) -> None:
+                     forbidden: bool = False, stalled: bool = False) -> None:
         """Report a load as failed with exactly `blocks` invalid (never silently dropped)."""
         load = self.book.get(rid)
         if load is not None:
@@ -165,7 +165,7 @@ class NixlWorker(ConnectorWorker):
             self.book.finish(rid)
         log.warning("request %s failed to load (%d blocks invalid): %s", rid, len(blocks), reason)
         self.out.failed_recving.add(rid)
-        self.out.load_failures.setdefault(rid, LoadFailure(reason, bad_params, forbidden))
+        self.out.load_failures.setdefault(rid, LoadFailure(reason, bad_params, forbidden, stalled))
         self.out.invalid_block_ids |= blocks
 
     def retry_after_handshake(self, engine_id: str, entry: dict[str, Any], why: str) -> bool:

@@ -207,7 +207,8 @@ class LLMEngine:
                     ))
                     continue
                 why = f": {failure.reason}" if failure is not None else ""
-                self._finish(request, "error", error_kind="kv_load_failed", error=(
+                kind = "kv_load_stalled" if failure is not None and failure.stalled else "kv_load_failed"
+                self._finish(request, "error", error_kind=kind, error=(
                     f"loading the KV cache of request {request_id!r} from the prefill instance "
                     f"failed{why}; load_failure_policy is 'fail': retry the request, or run the "
                     "decode instance with load_failure_policy='recompute' to prefill locally"

@@ -52,7 +52,8 @@ class RequestOutput:
     kv_bytes: int | None = None
     kv_transfer_s: float | None = None
     # With `error`: "bad_kv_transfer_params" (the request's params cannot work),
-    # "forbidden_kv_transfer_params" (they no longer grant access to P's blocks) or "kv_load_failed".
+    # "forbidden_kv_transfer_params" (they no longer grant access to P's blocks), "kv_load_stalled"
+    # (no progress before the stall deadline) or "kv_load_failed" (P unreachable or broke off).
     error_kind: str | None = None
 
 

@@ -14,8 +14,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from kvlink.connector.params import ForbiddenTransferParams, wants_remote_prefill
 from kvlink.serve import memory
 from kvlink.serve.disconnect import unless_disconnected
-from kvlink.serve.engine_loop import AsyncEngine, EngineDead, RequestTimeout
-from kvlink.serve.errors import APIError, error_body, install_error_handlers
+from kvlink.serve.engine_loop import AsyncEngine, EngineDead, EngineOverloaded, RequestTimeout
+from kvlink.serve.errors import APIError, install_error_handlers
 from kvlink.serve.generation import GenerationFailed, Piece, Summary, generate_pieces
 from kvlink.serve.metrics import MetricsRegistry, render_stats_gauges
 from kvlink.serve.prompts import chat_prompt_ids, completion_prompt_ids, token_budget
@@ -33,24 +33,50 @@ def engine_sampling_params() -> SamplingFactory:
     return SamplingParams  # type: ignore[no-any-return]
 
 
+# Seconds a client should wait before retrying an instance that is busy, or whose engine
+# died (it answers again once restarted).
+RETRY_AFTER_OVERLOADED_S = 1
+RETRY_AFTER_DEAD_S = 5
+
+# The engine's `error_kind` for a request it finished with an error -> (status, code).
+# Only params that can never work are the client's fault; a P that is gone, broke off
+# or stalled is the server side's, and retrying (through a prefill instance) can work.
+_FAILURE_STATUS = {
+    "bad_kv_transfer_params": (400, "invalid_kv_transfer_params"),
+    "forbidden_kv_transfer_params": (403, "forbidden_kv_transfer_params"),
+    "kv_load_failed": (502, "kv_load_failed"),
+    "kv_load_stalled": (504, "kv_load_timeout"),
+}
+
+
 def _as_api_error(error: Exception) -> APIError:
+    """Every failure a request can meet, as the status a client or router acts on."""
     if isinstance(error, APIError):
         return error
     if isinstance(error, ForbiddenTransferParams):  # unsigned, altered or stale: nothing was read
         return APIError(403, str(error), "forbidden_kv_transfer_params")
     if isinstance(error, ValueError):  # add_request refused the input (incl. kv_transfer_params)
         return APIError(400, str(error), "invalid_value")
-    if isinstance(error, RequestTimeout):
-        return APIError(504, str(error), "timeout")
+    if isinstance(error, EngineOverloaded):
+        return APIError(503, str(error), "engine_overloaded", retry_after_s=RETRY_AFTER_OVERLOADED_S)
+    if isinstance(error, RequestTimeout | TimeoutError):
+        return APIError(504, str(error) or "timed out", "timeout")
     if isinstance(error, EngineDead):
-        return APIError(503, str(error), "engine_dead")
+        return APIError(503, str(error), "engine_dead", retry_after_s=RETRY_AFTER_DEAD_S)
     if isinstance(error, GenerationFailed):
-        if error.kind == "bad_kv_transfer_params":
-            return APIError(400, str(error), "invalid_kv_transfer_params")
-        if error.kind == "forbidden_kv_transfer_params":
-            return APIError(403, str(error), "forbidden_kv_transfer_params")
+        if error.kind in _FAILURE_STATUS:
+            status, code = _FAILURE_STATUS[error.kind]
+            return APIError(status, str(error), code)
         return APIError(500, f"generation failed: {error}", error.kind or "generation_failed")
     return APIError(500, f"internal error: {error!r}", "internal_error")
+
+
+def check_model(requested: str | None, served: str) -> None:
+    """404 `model_not_found` for a model this instance does not serve (none named: the served one)."""
+    if requested is not None and requested != served:
+        raise APIError(404, f"The model `{requested}` does not exist on this instance, which serves "
+                            f"`{served}` (see GET /v1/models); send model={served!r} or leave it out.",
+                       "model_not_found", param="model")
 
 
 def build_app(
@@ -98,6 +124,7 @@ def build_app(
     ) -> Response:
         request_id = raw.headers.get("x-request-id") or uuid.uuid4().hex
         try:
+            check_model(body.model, model_name)
             max_tokens = token_budget(len(prompt_ids), requested_max_tokens, max_model_len)
         except APIError:
             await release_prefilled(body, prompt_ids, request_id)
@@ -148,7 +175,8 @@ def build_app(
     @app.get("/health")
     async def health() -> Response:
         if not engine.alive:
-            return JSONResponse(error_body(503, engine.dead_reason or "engine not running"), 503)
+            return APIError(503, engine.dead_reason or "engine not running", "engine_dead",
+                            retry_after_s=RETRY_AFTER_DEAD_S).response()
         answer: dict[str, Any] = {"status": "ok", "role": role, "model": model_name}
         if warnings:
             answer["warnings"] = list(warnings)
@@ -215,8 +243,7 @@ async def _stream(
                 usage_chunk["kvlink"] = summary.figures()
             yield sse(usage_chunk)
     except Exception as error:
-        api_error = _as_api_error(error)
-        yield sse(error_body(api_error.status, api_error.message, api_error.code))
+        yield sse(_as_api_error(error).body())  # headers are gone: the status is in the event
     finally:
         await pieces.aclose()
     yield sse("[DONE]")

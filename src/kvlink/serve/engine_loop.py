@@ -37,6 +37,10 @@ class RequestTimeout(Exception):
     """A request produced nothing for `request_timeout_s`; it was aborted in the engine."""
 
 
+class EngineOverloaded(Exception):
+    """The engine thread did not take a new request within `request_timeout_s` (busy stepping)."""
+
+
 class EngineDead(Exception):
     """The engine thread stopped after an exception; no request can be served."""
 
@@ -105,8 +109,9 @@ class AsyncEngine:
     ) -> AsyncGenerator[Any, None]:
         """Yield the engine's outputs for one request until one is `finished`.
 
-        Raises what `add_request` raises (bad input), `RequestTimeout` when nothing
-        arrives for `request_timeout_s`, `EngineDead` if the engine thread fails.
+        Raises what `add_request` raises (bad input), `EngineOverloaded` when the engine does
+        not take the request within `request_timeout_s`, `RequestTimeout` when nothing
+        arrives for that long after, `EngineDead` if the engine thread fails.
         Closing the iterator early (client gone, task cancelled) aborts the request.
         """
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
@@ -126,9 +131,9 @@ class AsyncEngine:
             raise
         except asyncio.TimeoutError:
             self._post(lambda engine: self._abort(request_id, stream))  # runs after `add` if it ever does
-            raise RequestTimeout(
+            raise EngineOverloaded(
                 f"the engine did not accept request {request_id} within "
-                f"{self.request_timeout_s:g}s; it is overloaded or stuck"
+                f"{self.request_timeout_s:g}s; it is overloaded or stuck: retry later or elsewhere"
             ) from None
         self._in_flight += 1
         finished = False

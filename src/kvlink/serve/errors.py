@@ -1,4 +1,10 @@
-"""OpenAI-style error bodies, `{"error": {"message", "type", "param", "code"}}`, and their handlers."""
+"""OpenAI-style error bodies, `{"error": {"message", "type", "param", "code"}}`, and their handlers.
+
+The status says what a client or router may do (docs/serving.md, "Errors"): 4xx means the
+request itself is at fault and sending it again fails again; 502, 503 and 504 mean an
+instance or the KV move failed and the request may be retried, after `Retry-After` seconds
+when the answer carries that header.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 _TYPES = {
     400: "invalid_request_error",
     403: "permission_error",
-    404: "not_found_error",
+    404: "invalid_request_error",  # as OpenAI answers an unknown model or URL
     408: "timeout_error",
     422: "invalid_request_error",
     502: "upstream_error",
@@ -22,22 +28,35 @@ _TYPES = {
 
 
 class APIError(Exception):
-    """An error to send to the client as it is: HTTP status plus a message saying what to do."""
+    """An error to send to the client as it is: HTTP status plus a message saying what to do.
 
-    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+    `param`: the request field at fault; `retry_after_s`: sent as `Retry-After` (503s)."""
+
+    def __init__(self, status: int, message: str, code: str | None = None, *,
+                 param: str | None = None, retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
+        self.param = param
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, self.code, self.param)
+
+    def response(self) -> JSONResponse:
+        headers = {} if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)}
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
-def error_body(status: int, message: str, code: str | None = None) -> dict[str, Any]:
+def error_body(status: int, message: str, code: str | None = None,
+               param: str | None = None) -> dict[str, Any]:
     kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def error_response(status: int, message: str, code: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, code), status_code=status)
+    return APIError(status, message, code).response()
 
 
 def _describe_validation(error: RequestValidationError) -> str:
@@ -54,7 +73,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_api_error(request: Request, error: Exception) -> JSONResponse:
         assert isinstance(error, APIError)
-        return error_response(error.status, error.message, error.code)
+        return error.response()
 
     async def on_validation(request: Request, error: Exception) -> JSONResponse:
         assert isinstance(error, RequestValidationError)
@@ -62,7 +81,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_http(request: Request, error: Exception) -> JSONResponse:
         assert isinstance(error, StarletteHTTPException)
-        return error_response(error.status_code, str(error.detail))
+        code = "not_found" if error.status_code == 404 else None
+        return error_response(error.status_code, f"{error.detail}: {request.method} {request.url.path}", code)
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)

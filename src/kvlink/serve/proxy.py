@@ -25,7 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from kvlink.serve.disconnect import unless_disconnected
-from kvlink.serve.errors import APIError, error_body, install_error_handlers
+from kvlink.serve.errors import APIError, install_error_handlers
 from kvlink.serve.metrics import MetricsRegistry
 from kvlink.serve.upstream import Instance, InstancePool, status_error, transport_error
 
@@ -123,7 +123,7 @@ def build_proxy_app(
             except httpx.HTTPError as error:
                 api_error = transport_error("decode", instance.url, error, timeout_s)
                 metrics.inc("requests_total", outcome="decode_error")
-                event = json.dumps(error_body(api_error.status, api_error.message, api_error.code))
+                event = json.dumps(api_error.body())  # headers are gone: the status is in the event
                 yield f"data: {event}\n\ndata: [DONE]\n\n".encode()
             finally:
                 # Shielded: on client disconnect this task is cancelled, and closing the

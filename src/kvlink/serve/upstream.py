@@ -8,6 +8,7 @@ has to guess and never waits without a deadline.
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -84,35 +85,56 @@ def upstream_message(response: httpx.Response) -> str:
     return response.text[:300] or "(empty body)"
 
 
-def _error_code(response: httpx.Response) -> str | None:
+_CODE = re.compile(r"[a-z0-9_]{1,64}")  # codes are ours; anything else is not passed on (metric labels)
+_DEFAULT_RETRY_AFTER_S = 1
+# D refuses P's params: the proxy got them from P, so they are not the client's fault (P died,
+# restarted, or its lease ran out before D read). A 4xx would tell the client not to retry.
+_PARAMS_FROM_P = {"invalid_kv_transfer_params", "forbidden_kv_transfer_params"}
+
+
+def _error_field(response: httpx.Response, name: str) -> str | None:
     try:
         error = response.json().get("error")
     except (ValueError, AttributeError):
         return None
-    return str(error.get("code")) if isinstance(error, dict) else None
+    value = error.get(name) if isinstance(error, dict) else None
+    return value if isinstance(value, str) and _CODE.fullmatch(value) else None
+
+
+def _retry_after(response: httpx.Response) -> int:
+    value = response.headers.get("retry-after", "")
+    # Seconds only (not an HTTP date); isdigit() alone also takes digits like "²" int() refuses.
+    return int(value) if value.isascii() and value.isdigit() and len(value) <= 6 else _DEFAULT_RETRY_AFTER_S
 
 
 def status_error(side: str, url: str, response: httpx.Response) -> APIError:
-    """4xx keeps its status (the client's request is at fault); 5xx becomes 502."""
-    message = upstream_message(response)
-    if side == "decode" and _error_code(response) == "invalid_kv_transfer_params":
-        # The proxy got these params from P, so they are not the client's fault: most often P
-        # died or restarted after answering. A 4xx would tell the client not to retry.
+    """What the proxy answers for an upstream's error status.
+
+    4xx keeps its status and code (the client's request is at fault); 503 and 504 keep
+    theirs (an instance busy or dead, a deadline), with the upstream's Retry-After; 502
+    keeps its code (e.g. D's `kv_load_failed`); any other 5xx becomes 502."""
+    status, message = response.status_code, upstream_message(response)
+    code, param = _error_field(response, "code"), _error_field(response, "param")
+    if side == "decode" and code in _PARAMS_FROM_P:
         return APIError(
             502, f"decode instance {url} could not load the KV cache the prefill instance "
                  f"prepared (is the prefill instance still up?): {message}",
             "decode_kv_load_failed",
         )
-    if response.status_code < 500:
+    if status < 500:
         return APIError(
-            response.status_code,
-            f"{side} instance {url} refused the request (HTTP {response.status_code}): {message}",
-            f"{side}_refused",
+            status, f"{side} instance {url} refused the request (HTTP {status}): {message}",
+            code or f"{side}_refused", param=param,
         )
-    return APIError(
-        502, f"{side} instance {url} failed (HTTP {response.status_code}): {message}",
-        f"{side}_failed",
-    )
+    described = f"{side} instance {url} failed (HTTP {status}): {message}"
+    if status == 503:
+        return APIError(503, described, code or f"{side}_unavailable",
+                        retry_after_s=_retry_after(response))
+    if status == 504:
+        return APIError(504, described, code or f"{side}_timeout")
+    if status == 502:
+        return APIError(502, described, code or f"{side}_failed")
+    return APIError(502, described, f"{side}_failed")
 
 
 def transport_error(side: str, url: str, error: Exception, timeout_s: float) -> APIError:
