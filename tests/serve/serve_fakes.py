@@ -91,7 +91,7 @@ class FakeEngine:
             if "hang" in text:
                 continue
             if "slow" in text:
-                time.sleep(0.05)
+                time.sleep(0.5 if "very-slow" in text else 0.05)
             if "fail" in text and ("late-fail" not in text or req.produced >= 2):
                 del self.running[request_id]
                 kind = text.split("fail:", 1)[1].split()[0] if "fail:" in text else None

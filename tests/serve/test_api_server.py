@@ -181,8 +181,10 @@ def test_client_gone_before_non_stream_answer_aborts_the_request(
 ) -> None:
     with serve_in_thread(fake_app) as url:
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{url}/v1/completions", json={"prompt": "slow", "max_tokens": 60}, timeout=0.3)
-        deadline = time.monotonic() + 3
+            httpx.post(f"{url}/v1/completions", json={"prompt": "very-slow", "max_tokens": 50}, timeout=0.3)
+        # 50 very slow tokens take 25 s, so on a loaded machine the request cannot end by itself
+        # before the abort is seen; 20 s bounds the wait.
+        deadline = time.monotonic() + 20
         while not fake_engine.aborted:
             assert time.monotonic() < deadline, "the request kept running after its client left"
             time.sleep(0.05)
