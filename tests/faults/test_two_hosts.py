@@ -4,14 +4,18 @@ UCX is held to TCP on the P-D link only (`UCX_TLS=tcp`, `UCX_NET_DEVICES=<veth e
 no shared-memory or CMA path exists between real hosts, and here none is allowed either.
 Answers through kvlink's proxy must equal the colocated reference's, every load must
 arrive through the connector (D fails instead of recomputing), and the KV bytes must be
-seen crossing the link. Runs in `make test` (about half a minute as root); it fails in CI
+seen crossing the link; `kvlink bench transfer` places its two worker processes there too. Runs in `make test` (about half a minute as root); it fails in CI
 (env CI=true) when namespaces cannot be made, and skips with the reason elsewhere.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from netns import TwoHosts, link_bytes, require_netns, two_hosts
@@ -31,6 +35,21 @@ def hosts() -> Iterator[TwoHosts]:
     require_netns(TAG, skip_outside_ci=True)
     with two_hosts(TAG, octet=232) as made:
         yield made
+
+
+def test_bench_transfer_across_hosts(hosts: TwoHosts, tmp_path: Path) -> None:
+    """`kvlink bench transfer` with P's and D's workers in the two namespaces: the pages arrive
+    intact, and UCX reads over TCP on D's end of the P-D link (run first: no cluster yet)."""
+    out = tmp_path / "t.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvlink.cli.main", "bench", "transfer", "--preset", "smollm2-135m",
+         "--tokens", "32,100", "--repeats", "3", "--min-seconds", "0", "--json", str(out),
+         "--p-netns", hosts.ns_p, "--p-host", hosts.p_addr, "--d-netns", hosts.ns_d, "--d-host", hosts.d_addr],
+        env={**os.environ, "UCX_TLS": "tcp"}, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert f"via tcp/{hosts.link_d}" in result["ucx_get_protocol"], result["ucx_get_protocol"]
+    assert [row["verified_pages"] for row in result["rows"]] == [16] * 4
 
 
 @pytest.fixture(scope="module")
