@@ -1,11 +1,13 @@
-"""Two hosts: P and D in two network namespaces, the KV over a veth pair, the proxy in the root one.
+"""Two hosts: P and D in two network namespaces, the KV over a veth pair, the router in the root one.
 
 UCX is held to TCP on the P-D link only (`UCX_TLS=tcp`, `UCX_NET_DEVICES=<veth end>`):
-no shared-memory or CMA path exists between real hosts, and here none is allowed either.
-Answers through kvlink's proxy must equal the colocated reference's, every load must
-arrive through the connector (D fails instead of recomputing), and the KV bytes must be
-seen crossing the link; `kvlink bench transfer` places its two worker processes there too. Runs in `make test` (about half a minute as root); it fails in CI
-(env CI=true) when namespaces cannot be made, and skips with the reason elsewhere.
+no shared-memory or CMA path exists between real hosts, and CMA would cross namespaces
+if allowed. Answers through kvlink's proxy and through vllm-router must equal the
+colocated reference's, every load must arrive through the connector (D fails instead of
+recomputing), and the KV bytes must be seen crossing the link; `kvlink bench transfer`
+places its two worker processes there too. Runs in `make test` (25-55 s as root on a
+busy 2-core VM); it fails in CI (env CI=true) when namespaces cannot be made, and skips
+with the reason elsewhere.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from pd_faults import Expected, complete, fault_spec, metric, prompt_of, run_str
 
 from kvlink.bench.cluster import Cluster
 from kvlink.bench.instance_state import wait_clean
+from kvlink.bench.routers import router_argv
+from kvlink.procs.launcher import free_port, start_process, stop_all, wait_healthy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -86,3 +90,18 @@ def test_long_prompt_across_hosts(cluster: Cluster, expected: Expected) -> None:
     prompt = " ".join(prompt_of(i) for i in range(40, 44))
     result = complete(cluster.proxy.url, prompt, 24, 60)
     assert result.status == 200 and result.text == expected(prompt, 24), result
+
+
+def test_vllm_router_across_hosts(cluster: Cluster, expected: Expected, tmp_path: Path) -> None:
+    """vllm-router in the root namespace, in front of the same P and D: the same answers."""
+    port = free_port()
+    argv = router_argv("vllm-router", [m.url for m in cluster.roles("prefill")],
+                       [m.url for m in cluster.roles("decode")], port, 60.0)
+    # Its metrics listener defaults to port 29000, which another router on this machine may hold.
+    argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+    router = start_process("vllm-router", argv, f"http://127.0.0.1:{port}", tmp_path)
+    try:
+        wait_healthy([router], 60)
+        run_stream(router.url, range(10, 14), expected)
+    finally:
+        stop_all([router], 10)
