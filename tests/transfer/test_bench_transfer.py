@@ -12,7 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from kvlink.bench.transfer import BenchOptions, _ratios, per_layer_token_bytes, plan_sizes
+from kvlink.bench.transfer import (
+    BenchOptions,
+    _ratios,
+    _ucx_get_protocol,
+    per_layer_token_bytes,
+    plan_sizes,
+)
 from kvlink.bench.transfer_report import table, verdicts
 
 
@@ -51,11 +57,25 @@ def test_verdicts_name_the_worst_size() -> None:
 
 @pytest.mark.parametrize("bad", [
     {"tokens": [0]}, {"tokens": []}, {"repeats": 0}, {"min_seconds": -1.0}, {"max_gib": 0.0},
-    {"p_tp": 0}, {"mode": "sideways"},
+    {"p_tp": 0}, {"mode": "sideways"}, {"d_netns": "kvd1"},  # a namespace needs a non-loopback --d-host
 ])
 def test_bad_options_are_refused(bad: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         BenchOptions(**bad)  # type: ignore[arg-type]
+
+
+def test_ucx_read_protocol_between_namespaces_is_found() -> None:
+    """Peers in two network namespaces are inter-node to UCX: that table names the transport."""
+    log = "\n".join([
+        "[1.0] [vm:1 :0]   | benchD-r0-35f5a271 inter-node cfg#1                    |",
+        "[1.0] [vm:1 :0]   | remote memory read by ucp_get*(multi) into host memory from host |",
+        "[1.0] [vm:1 :0]   +--------+--------------------+--------------------+",
+        "[1.0] [vm:1 :0]   | Range  |    Description     |       Config       |",
+        "[1.0] [vm:1 :0]   +--------+--------------------+--------------------+",
+        "[1.0] [vm:1 :0]   | 0..inf | software emulation | tcp/kvkd1          |",
+        "[1.0] [vm:1 :0]   +--------+--------------------+--------------------+",
+    ])
+    assert _ucx_get_protocol(log) == "0..inf software emulation via tcp/kvkd1"
 
 
 def test_pool_and_layer_cut() -> None:

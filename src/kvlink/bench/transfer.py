@@ -17,6 +17,7 @@ import dataclasses
 import math
 import os
 import statistics
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -73,6 +74,10 @@ class BenchOptions:
     max_gib: float = 2.0
     layers: int | None = None
     seed: int = 0
+    p_netns: str | None = None  # run P's workers in this network namespace (`ip netns exec`)
+    d_netns: str | None = None
+    p_host: str = "127.0.0.1"  # where P's side channel listens (and D reaches it)
+    d_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -88,6 +93,10 @@ class BenchOptions:
             check(name, value, bound)
         if self.mode not in ("pull", "push"):
             raise ValueError(f"--mode must be pull or push, got {self.mode!r}")
+        for side, netns, host in (("p", self.p_netns, self.p_host), ("d", self.d_netns, self.d_host)):
+            if netns is not None and host.startswith("127."):
+                raise ValueError(f"--{side}-netns {netns}: expected --{side}-host, an address of that "
+                                 f"namespace the other side can reach; got {host} (loopback)")
 
 
 def per_layer_token_bytes(options: BenchOptions) -> int:
@@ -128,31 +137,51 @@ class _Side:
     """The P or D engine of the benchmark: tp worker processes and a scheduler side."""
 
     def __init__(self, engine_id: str, tp: int, options: BenchOptions, sizes: dict[str, Any],
-                 log_dir: Path, fill: str, env: dict[str, str], secret: str) -> None:
+                 log_dir: Path, fill: str, env: dict[str, str], secret: str,
+                 host: str = "127.0.0.1", netns: str | None = None) -> None:
         self.engine_id, self.tp = engine_id, tp
         self.port = free_port_base(tp)
-        cfg = {"engine_id": engine_id, "tp": tp, "port": self.port, "model": options.preset,
+        prefix = ["ip", "netns", "exec", netns] if netns else []
+        # In a namespace UCX uses the link the side channel is on, nothing else.
+        self.netns_device = (netns, device_of(netns, host)) if netns else None
+        side_env = {"UCX_NET_DEVICES": self.netns_device[1]} if self.netns_device else {}
+        cfg = {"engine_id": engine_id, "tp": tp, "port": self.port, "host": host, "model": options.preset,
                "layers": sizes["layers"], "block_size": options.block_size,
                "num_blocks": sizes["pool_blocks"], "fill": fill, "lease_s": 120.0,
                "stall_timeout_s": 60.0, "transfer_mode": options.mode,
                "active_poll_s": float(os.environ.get("KVLINK_BENCH_POLL_S", "0.001"))}
         self.peers = [
-            PeerProcess(python_argv(NODE, {**cfg, "rank": r}), f"{engine_id}-r{r}",
-                        env=peer_env({**(env if r == 0 else {}), SECRET_ENV: secret}),
+            PeerProcess([*prefix, *python_argv(NODE, {**cfg, "rank": r})], f"{engine_id}-r{r}",
+                        env=peer_env({**side_env, **(env if r == 0 else {}), SECRET_ENV: secret}),
                         log_path=log_dir / f"{engine_id}-r{r}.log")
             for r in range(tp)
         ]
-        self.sched = NixlScheduler(ConnectorConfig(engine_id, side_channel_port=self.port, lease_s=120.0,
+        self.sched = NixlScheduler(ConnectorConfig(engine_id, side_channel_port=self.port,
+                                                   side_channel_host=host, lease_s=120.0,
                                                    transfer_mode=options.mode,  # type: ignore[arg-type]
                                                    secret=secret.encode()), tp)
 
 
+def device_of(netns: str, address: str) -> str:
+    """The interface that carries `address` inside network namespace `netns`."""
+    out = subprocess.run(["ip", "netns", "exec", netns, "ip", "-o", "addr", "show", "to", address],
+                         capture_output=True, text=True, timeout=10)
+    fields = out.stdout.split()
+    if out.returncode != 0 or len(fields) < 2:
+        raise ValueError(f"network namespace {netns}: expected an interface with address {address}; "
+                         f"`ip addr` found none ({out.stderr.strip() or 'no such address'}); "
+                         "give the address of the namespace's end of the P-D link")
+    return fields[1].split("@")[0]
+
+
 def _ucx_get_protocol(log: str) -> str:
-    """What UCX chose for remote reads between processes, from UCX_PROTO_INFO tables."""
+    """What UCX chose for remote reads between processes, from UCX_PROTO_INFO tables (peers in
+    two network namespaces are "inter-node" to UCX, on one host "intra-node")."""
     found: list[str] = []
     lines = log.splitlines()
     for i, line in enumerate(lines):
-        if "remote memory read by ucp_get" in line and "intra-node" in lines[i - 1]:
+        if "remote memory read by ucp_get" in line and ("intra-node" in lines[i - 1]
+                                                         or "inter-node" in lines[i - 1]):
             for row in lines[i + 4:i + 12]:
                 cells = [c.strip() for c in row.split("|")[1:-1]]
                 if len(cells) != 3 or not cells[0]:
@@ -180,8 +209,14 @@ def run_bench(options: BenchOptions, log: Log = print) -> dict[str, Any]:
     ucx_env = {"UCX_PROTO_INFO": "y"}
     started = time.perf_counter()
     secret = new_secret()  # one deployment: P and D sign their params and notifications with it
-    p = _Side("benchP", options.p_tp, options, sizes, log_dir, "pattern", {}, secret)
-    d = _Side("benchD", options.d_tp, options, sizes, log_dir, "fill", ucx_env, secret)
+    p = _Side("benchP", options.p_tp, options, sizes, log_dir, "pattern", {}, secret,
+              options.p_host, options.p_netns)
+    d = _Side("benchD", options.d_tp, options, sizes, log_dir, "fill", ucx_env, secret,
+              options.d_host, options.d_netns)
+    for side in (p, d):
+        if side.netns_device:
+            log(f"  {side.engine_id} in network namespace {side.netns_device[0]}, "
+                f"UCX_NET_DEVICES={side.netns_device[1]}")
     peers = p.peers + d.peers
     try:
         for peer in peers:

@@ -49,6 +49,7 @@ def model_from_config(cfg: dict[str, Any]) -> ModelSpec:
 def connector_config(cfg: dict[str, Any]) -> ConnectorConfig:
     return ConnectorConfig(
         engine_id=str(cfg["engine_id"]), side_channel_port=int(cfg.get("port", 0)),
+        side_channel_host=str(cfg.get("host", "127.0.0.1")),
         lease_s=float(cfg.get("lease_s", 30.0)), stall_timeout_s=float(cfg.get("stall_timeout_s", 10.0)),
         handshake_timeout_s=float(cfg.get("handshake_timeout_s", 5.0)),
         transfer_mode=cfg.get("transfer_mode", "pull"),

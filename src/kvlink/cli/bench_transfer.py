@@ -1,4 +1,5 @@
-"""`kvlink bench transfer`: P and D worker processes on loopback; connector vs raw NIXL vs memcpy."""
+"""`kvlink bench transfer`: P and D worker processes (loopback, or two network namespaces);
+connector vs raw NIXL vs memcpy."""
 
 from __future__ import annotations
 
@@ -39,6 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-gib", type=ranged(MAX_GIB), default=2.0,
                         help="cap one side's KV pool; layers are cut to fit (default 2 GiB, at most 1024)")
     parser.add_argument("--layers", type=ranged(MODEL_DIM), default=None, help="use at most this many layers")
+    for side, name in (("p", "P"), ("d", "D")):
+        parser.add_argument(f"--{side}-netns", metavar="NS", default=None,
+                            help=f"run {name}'s worker processes in this network namespace (needs root; "
+                                 f"UCX then uses only the interface of --{side}-host there)")
+        parser.add_argument(f"--{side}-host", metavar="ADDR", default="127.0.0.1",
+                            help=f"address {name}'s side channel listens on (with --{side}-netns: "
+                                 "its address on the P-D link)")
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
     parser.add_argument("--plot", metavar="FILE", help="write a PNG chart")
 
@@ -48,7 +56,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         options = BenchOptions(preset=args.preset, tokens=args.tokens, p_tp=args.p_tp, d_tp=args.d_tp,
                                mode=args.mode, block_size=args.block_size, repeats=args.repeats,
-                               min_seconds=args.min_seconds, max_gib=args.max_gib, layers=args.layers)
+                               min_seconds=args.min_seconds, max_gib=args.max_gib, layers=args.layers,
+                               p_netns=args.p_netns, d_netns=args.d_netns, p_host=args.p_host,
+                               d_host=args.d_host)
         plan_sizes(options)  # refuses presets the benchmark cannot fill
     except ValueError as exc:
         print(f"kvlink bench transfer: error: {exc}", file=sys.stderr)
