@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvlink.bench.cluster import Cluster, ClusterSpec
-from kvlink.bench.routers import router_argv
+from kvlink.bench.routers import router_argv, vllm_router_flags
 from kvlink.transfer.framing import SECRET_ENV
 
 
@@ -73,6 +73,7 @@ def test_kvlink_proxy_gets_every_prefill_and_decode_url(tmp_path: Path) -> None:
 
 def test_vllm_router_command_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     executable = _fake_vllm_router(tmp_path)
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "elsewhere" / "python"))
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ.get('PATH', '')}")
     argv = router_argv("vllm-router", ["http://127.0.0.1:1", "http://127.0.0.1:2"], ["http://127.0.0.1:3"],
                        8090, 60.0)
@@ -85,9 +86,61 @@ def test_vllm_router_command_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 def test_missing_vllm_router_is_reported_before_anything_starts(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))  # no vllm-router here
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))  # nor next to the interpreter
     with pytest.raises(RuntimeError, match=r"pip install vllm-router==0\.1\.17"):
         Cluster(ClusterSpec(router="vllm-router"), tmp_path / "logs", progress=lambda _: None)
     assert not (tmp_path / "logs").exists()  # no process was started, not even a log opened
+
+
+def test_vllm_router_is_found_next_to_the_interpreter_of_a_venv_not_activated(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    bin_dir = tmp_path / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    executable = _fake_vllm_router(bin_dir)
+    monkeypatch.setattr(sys, "executable", str(bin_dir / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path))  # not on PATH
+    argv = router_argv("vllm-router", ["http://127.0.0.1:1"], ["http://127.0.0.1:2"], 8090, 60.0)
+    assert argv[0] == str(executable)
+
+
+def test_vllm_router_gets_its_own_metrics_port_and_the_extra_flags(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _fake_vllm_router(bin_dir)
+    monkeypatch.setattr(sys, "executable", str(bin_dir / "python"))
+    flags = vllm_router_flags("round_robin", health_check_interval_s=1, health_failure_threshold=1)
+    spec = ClusterSpec(n_prefill=2, n_decode=2, router="vllm-router", router_args=flags)
+    first, second = (Cluster(spec, tmp_path / name, progress=lambda _: None) for name in ("a", "b"))
+    for cluster in (first, second):
+        argv = cluster._router_argv
+        assert argv is not None and argv[-len(flags):] == flags
+        assert _option(argv, "--prometheus-host") == "127.0.0.1"
+        assert int(_option(argv, "--prometheus-port")) not in (cluster.proxy_port,
+                                                               *(m.port for m in cluster.members))
+    # Two routers on one host: the default 29000 would make the second one exit.
+    assert first._router_argv is not None and second._router_argv is not None
+    assert _option(first._router_argv, "--prometheus-port") != _option(second._router_argv, "--prometheus-port")
+    first.set_router_args(vllm_router_flags("cache_aware"))
+    assert first._router_argv is not None and first._router_argv[-2:] == ["--policy", "cache_aware"]
+    assert "--health-check-interval-secs" not in first._router_argv
+
+
+def test_kvlink_proxy_router_args_go_last(tmp_path: Path) -> None:
+    cluster = Cluster(ClusterSpec(router_args=["--connect-timeout-s", "2"]), tmp_path, progress=lambda _: None)
+    assert cluster._router_argv is not None and cluster._router_argv[-2:] == ["--connect-timeout-s", "2"]
+    assert "--prometheus-port" not in cluster._router_argv
+
+
+@pytest.mark.parametrize(("kwargs", "named"), [
+    ({"policy": "fastest"}, "policy: expected one of random, round_robin, cache_aware"),
+    ({"health_check_interval_s": 0}, "health_check_interval_s: expected 1 to 3600; got 0"),
+    ({"health_failure_threshold": 0}, "health_failure_threshold: expected 1 to 3600; got 0"),
+    ({"max_retries": 5000}, "max_retries: expected 1 to 3600; got 5000"),
+])
+def test_bad_vllm_router_flags_name_the_option_and_the_range(kwargs: dict[str, object], named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        vllm_router_flags(**kwargs)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(("fields", "named"), [

@@ -70,6 +70,7 @@ class ClusterSpec:
     pd: bool = True
     colocated: bool = False
     router: str = "kvlink"  # or "vllm-router"
+    router_args: Sequence[str] = ()  # after the router's own (e.g. `routers.vllm_router_flags(...)`)
     placement: Placement = field(default_factory=Placement)
     lease_s: float = bounded(SECONDS, 30.0)
     stall_timeout_s: float = bounded(SECONDS, 10.0)  # D only
@@ -162,12 +163,23 @@ class Cluster:
                             spec.prefill_block_size), cpus=spec.placement.colocated_cpus))
         self.proxy: Service | None = None
         self.proxy_port = ports.take()
+        self.router_metrics_port = ports.take()  # vllm-router's Prometheus listener
         self._proxy_starts = 0
         # Built now: a missing vllm-router is reported before any process starts.
-        self._router_argv = router_argv(
-            spec.router, [m.url for m in self.roles("prefill")],
-            [m.url for m in self.roles("decode")], self.proxy_port,
-            spec.router_timeout_s or spec.request_timeout_s) if spec.pd else None
+        self._router_argv = self._router_command(spec.router_args) if spec.pd else None
+
+    def _router_command(self, router_args: Sequence[str]) -> list[str]:
+        spec = self.spec
+        return router_argv(spec.router, [m.url for m in self.roles("prefill")],
+                           [m.url for m in self.roles("decode")], self.proxy_port,
+                           spec.router_timeout_s or spec.request_timeout_s, router_args,
+                           metrics_port=self.router_metrics_port if spec.router == "vllm-router" else None)
+
+    def set_router_args(self, router_args: Sequence[str]) -> None:
+        """Replace the router's extra arguments (`spec.router_args`) from its next (re)start on."""
+        if self._router_argv is None:
+            raise ValueError("this cluster has no router: its spec has pd=False")
+        self._router_argv = self._router_command(router_args)
 
     def _engine(self, spec: ClusterSpec, role: str, index: int, ports: _Ports) -> Member:
         prefill = role == "prefill"
