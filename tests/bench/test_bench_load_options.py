@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import stat
 import sys
@@ -49,10 +50,10 @@ def test_vllm_router_next_to_the_interpreter_is_found_without_an_activated_venv(
     fake.write_text("#!/bin/sh\nexit 0\n")
     fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
-    environ = {"PATH": f"/nonexistent{':'}{tmp_path}"}
+    environ = {"PATH": f"/nonexistent{os.pathsep}{tmp_path}"}
     assert shutil.which("vllm-router", path="/nonexistent") is None
     fixed = bench_load.with_interpreter_bin_on_path(environ)
-    assert fixed["PATH"] == f"{tmp_path}:/nonexistent"  # first, and only once
+    assert fixed["PATH"] == f"{tmp_path}{os.pathsep}/nonexistent"  # first, and only once
     monkeypatch.setenv("PATH", fixed["PATH"])
     assert router_argv("vllm-router", ["http://127.0.0.1:1"], ["http://127.0.0.1:2"], 9, 1.0)[0] == str(fake)
 

@@ -60,7 +60,12 @@ def disconnect_probe(router_url: str, decode_urls: Sequence[str], max_tokens: in
             if line == "data: [DONE]":
                 ended_early = True
                 break
-            if line.startswith("data: ") and json.loads(line[6:])["choices"][0].get("text"):
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                return {"disconnect_probe": f"error before the first token: {str(event['error'])[:200]}"}
+            if event["choices"][0].get("text"):
                 break
     left = time.monotonic()  # leaving the `with` closed the connection
     while time.monotonic() - left < timeout_s:
