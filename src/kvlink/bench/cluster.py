@@ -164,6 +164,8 @@ class Cluster:
         self.proxy: Service | None = None
         self.proxy_port = ports.take()
         self.router_metrics_port = ports.take()  # vllm-router's Prometheus listener
+        self._ports = ports
+        self.extra_routers: list[Service] = []  # `add_router`: more routers on the same instances
         self._proxy_starts = 0
         # Built now: a missing vllm-router is reported before any process starts.
         self._router_argv = self._router_command(spec.router_args) if spec.pd else None
@@ -233,7 +235,7 @@ class Cluster:
         return [m.service for m in self.members if m.service is not None]
 
     def services(self) -> list[Service]:
-        return [*self.instances(), *([self.proxy] if self.proxy is not None else [])]
+        return [*self.instances(), *([self.proxy] if self.proxy is not None else []), *self.extra_routers]
 
     def service(self, which: str) -> Service:
         svc = self.proxy if which == "proxy" else self.member(which).service
@@ -258,6 +260,20 @@ class Cluster:
         self.proxy = start_process(log_name, self._router_argv, f"http://127.0.0.1:{self.proxy_port}",
                                    self.log_dir)
         return self.proxy
+
+    def add_router(self, kind: str, timeout_s: float = 60.0) -> Service:
+        """Start one more router of `kind` in front of the same P and D instances, on its own
+        port (to compare routers on one deployment); `stop` stops it with the rest."""
+        port = self._ports.take()
+        metrics_port = self._ports.take() if kind == "vllm-router" else None
+        argv = router_argv(kind, [m.url for m in self.roles("prefill")], [m.url for m in self.roles("decode")],
+                           port, self.spec.router_timeout_s or self.spec.request_timeout_s,
+                           metrics_port=metrics_port)
+        svc = start_process(f"router-{len(self.extra_routers) + 1}-{kind}", argv, f"http://127.0.0.1:{port}",
+                            self.log_dir)
+        self.extra_routers.append(svc)
+        wait_healthy([svc], timeout_s, self.progress)
+        return svc
 
     def start(self, timeout_s: float = 240.0) -> None:
         """Start everything and wait until every process is healthy; on any failure everything

@@ -35,12 +35,13 @@ def leaks(state: dict[str, Any], num_blocks: int) -> list[str]:
     return found
 
 
-def metric(url: str, name: str) -> float:
-    """Sum of every sample in `url`/metrics of the Prometheus metrics whose name ends with `name`."""
+def metric(url: str, name: str, label: str = "") -> float:
+    """Sum of every sample in `url`/metrics of the Prometheus metrics whose name ends with `name`
+    (and, if given, whose labels include `label`, e.g. `outcome="abort"`)."""
     total = 0.0
     for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
         match = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)$", line)
-        if match and match.group(1).endswith(name):
+        if match and match.group(1).endswith(name) and label in (match.group(2) or ""):
             total += float(match.group(3))
     return total
 

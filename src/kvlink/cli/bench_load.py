@@ -1,10 +1,13 @@
-"""`kvlink bench load`: many requests through the proxy against a local 1P1D; nothing may leak.
+"""`kvlink bench load`: many requests through a router against a local NP MD; nothing may leak.
 
-Starts prefill, decode and proxy (each in its own process group, stopped by PID), sends
-`--requests` streaming completions with mixed prompt lengths and short outputs, of which
-`--cancel-fraction` are abandoned by the client mid-flight, with bounded concurrency and a
-total time limit. Then checks that both instances hold no blocks, leases, loads or open
-transfers, and reports throughput, TTFT p50/p99 and errors (only cancels are allowed).
+Starts `--prefills` P and `--decodes` D instances and a router (`--router`: kvlink's proxy,
+vllm-router, or `both`, each pointing at the same instances; every process in its own
+process group, stopped by PID), sends `--requests` streaming completions with mixed prompt
+lengths and short outputs through each router in turn, of which `--cancel-fraction` are
+abandoned by the client mid-flight, with bounded concurrency and a total time limit. After
+each router's run it checks that no instance holds blocks, leases, loads or open transfers,
+probes whether a client's disconnect reaches D, and reports throughput, TTFT p50/p99,
+errors (only cancels are allowed) and aborts per side, side by side.
 `--soak-minutes M` sends the same kind of stream at a low rate with idle gaps for M
 minutes and reports how the resident memory of each process grows per 1000 requests and
 per hour over the last 30 minutes; `--memory-json`/`--memory-plot` keep the curve.
@@ -21,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvlink.bench.cluster import INSTANCES
+from kvlink.bench.load_routers import ROUTER_CHOICES
 from kvlink.cli.ranges import ranged
 from kvlink.layout.limits import (
     CONCURRENCY,
@@ -40,6 +45,10 @@ from kvlink.serve.factory import MODEL_NAMES
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", choices=MODEL_NAMES, default="smollm2-135m")
+    parser.add_argument("--router", choices=ROUTER_CHOICES, default="kvlink",
+                        help="kvlink's proxy, vllm-router, or both in turn on the same instances")
+    parser.add_argument("--prefills", type=ranged(INSTANCES), default=1, help="prefill instances")
+    parser.add_argument("--decodes", type=ranged(INSTANCES), default=1, help="decode instances")
     parser.add_argument("--requests", type=ranged(COUNT), default=500)
     parser.add_argument("--concurrency", type=ranged(CONCURRENCY), default=8)
     parser.add_argument("--cancel-fraction", type=ranged(FRACTION), default=0.1)
@@ -66,19 +75,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the summary here")
 
 
-def run(args: argparse.Namespace) -> int:
-    from kvlink.bench.cluster import Cluster, ClusterSpec
+def check_args(args: argparse.Namespace) -> None:
+    """Options each in range but wrong together."""
+    if args.soak_minutes and args.router == "both":
+        raise ValueError("--router both compares routers under load; --soak-minutes soaks through one: "
+                         "give --router kvlink or --router vllm-router")
+
+
+def spec_for(args: argparse.Namespace) -> Any:
+    """The deployment of this run: the first router of `--router` is the cluster's own."""
+    from kvlink.bench.cluster import ClusterSpec
+    from kvlink.bench.load_routers import routers_to_run
     from kvlink.bench.placement import Placement
 
-    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvlink-bench-load-"))
-    spec = ClusterSpec(model=args.model, num_blocks=args.num_blocks, lease_s=30.0,
+    return ClusterSpec(model=args.model, n_prefill=args.prefills, n_decode=args.decodes,
+                       router=routers_to_run(args.router)[0], num_blocks=args.num_blocks, lease_s=30.0,
                        request_timeout_s=120.0, load_failure_policy="recompute",
                        placement=Placement(threads_per_rank=args.threads))
-    cluster = Cluster(spec, log_dir)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvlink.bench.cluster import Cluster
+
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvlink-bench-load-"))
+    cluster = Cluster(spec_for(args), log_dir)
     print(f"kvlink bench load: model {args.model}, logs in {log_dir}")
     started = time.monotonic()
     cluster.start(timeout_s=300)
-    print(f"1P1D + proxy up in {time.monotonic() - started:.1f}s")
+    print(f"{args.prefills}P{args.decodes}D + {cluster.spec.router} up in {time.monotonic() - started:.1f}s")
     try:
         summary = _soak(cluster, args) if args.soak_minutes else _load(cluster, args)
     finally:
@@ -89,19 +113,46 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _load(cluster: Any, args: argparse.Namespace) -> dict[str, Any]:
-    from kvlink.bench.load import plan_requests, run_load
+    from kvlink.bench.load_routers import routers_to_run, table
 
-    planned = plan_requests(args.requests, args.seed, args.cancel_fraction, args.max_prompt_words)
+    results: dict[str, dict[str, Any]] = {}
+    for k, router in enumerate(routers_to_run(args.router)):
+        url = cluster.proxy.url if k == 0 else cluster.add_router(router).url
+        # Seed + k: each router gets fresh prompts, so none rides on the other's prefix cache.
+        results[router] = _load_through(cluster, router, url, args, args.seed + k)
+    summary: dict[str, Any] = {"mode": "load", "model": args.model, "prefills": args.prefills,
+                               "decodes": args.decodes, "concurrency": args.concurrency,
+                               "routers": results, "passed": all(r["passed"] for r in results.values())}
+    print(table(results))
+    _print({k: v for k, v in summary.items() if k != "routers"})
+    return summary
+
+
+def _load_through(cluster: Any, router: str, url: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    from kvlink.bench.load import plan_requests, run_load
+    from kvlink.bench.load_routers import OUTCOMES, delta, disconnect_probe, outcome_counts
+
+    planned = plan_requests(args.requests, seed, args.cancel_fraction, args.max_prompt_words)
     cancels = sum(1 for p in planned if p.cancel_after_s is not None)
-    print(f"sending {len(planned)} requests ({cancels} to be cancelled), concurrency {args.concurrency}")
-    result = asyncio.run(run_load(cluster.proxy.url, planned, args.concurrency, args.time_limit_s))
-    summary: dict[str, Any] = {"mode": "load", "model": args.model, "concurrency": args.concurrency,
-                               **result.summary(), "timed_out": result.timed_out}
+    print(f"{router}: sending {len(planned)} requests ({cancels} to be cancelled), concurrency {args.concurrency}")
+    members = [m for m in cluster.members if m.role in ("prefill", "decode")]
+    before = {m.name: outcome_counts([m.url]) for m in members}
+    result = asyncio.run(run_load(url, planned, args.concurrency, args.time_limit_s))
+    summary: dict[str, Any] = {**result.summary(), "timed_out": result.timed_out}
     summary.update(_leak_check(cluster))
+    seen = {m.name: delta(outcome_counts([m.url]), before[m.name]) for m in members}
+    for side in ("prefill", "decode"):
+        for kind in OUTCOMES:
+            count = sum(seen[m.name][kind] for m in members if m.role == side)
+            summary[f"{side}_outcome_{kind}"] = count
+    summary["requests_per_instance"] = {name: sum(counts.values()) for name, counts in seen.items()}
+    summary.update(disconnect_probe(url, [m.url for m in cluster.roles("decode")]))
+    summary["leaks_after_probe"] = _leak_check(cluster)["leaks"]  # nor may the probe leave anything
     errors = [o for o in result.outcomes if o.kind == "error"]
     for outcome in errors[:5]:
         print(f"  error on request {outcome.index}: {outcome.error}")
-    summary["passed"] = not errors and not summary["leaks"] and not result.timed_out
+    summary["passed"] = (not errors and not summary["leaks"] and not summary["leaks_after_probe"]
+                         and not result.timed_out)
     _print(summary)
     return summary
 
@@ -109,19 +160,19 @@ def _load(cluster: Any, args: argparse.Namespace) -> dict[str, Any]:
 def _leak_check(cluster: Any) -> dict[str, Any]:
     from kvlink.bench.instance_state import leaks, wait_clean
 
-    urls = {"prefill": cluster.prefill.url, "decode": cluster.decode.url}
+    urls = {m.name: m.url for m in cluster.members if m.role in ("prefill", "decode")}
     try:
         took = wait_clean(list(urls.values()), cluster.spec.num_blocks, timeout_s=60)
         found: dict[str, list[str]] = {}
     except AssertionError:
         took = {}
-        found = {side: leaks(cluster.state(side), cluster.spec.num_blocks) for side in urls}
+        found = {name: leaks(cluster.state(name), cluster.spec.num_blocks) for name in urls}
     out: dict[str, Any] = {"leaks": {k: v for k, v in found.items() if v}}
-    for side in urls:
-        connector = cluster.state(side)["engine"].get("connector", {})
-        for name in ("leases", "loads_in_flight", "open_transfers"):
-            out[f"{side}_{name}"] = connector.get(name, 0)
-        out[f"{side}_clean_after_s"] = took.get(urls[side], math.nan)
+    for name in urls:
+        connector = cluster.state(name)["engine"].get("connector", {})
+        for counter in ("leases", "loads_in_flight", "open_transfers"):
+            out[f"{name}_{counter}"] = connector.get(counter, 0)
+        out[f"{name}_clean_after_s"] = took.get(urls[name], math.nan)
     return out
 
 
