@@ -170,12 +170,18 @@ class Cluster:
         # Built now: a missing vllm-router is reported before any process starts.
         self._router_argv = self._router_command(spec.router_args) if spec.pd else None
 
-    def _router_command(self, router_args: Sequence[str]) -> list[str]:
+    def _router_command(self, router_args: Sequence[str], kind: str | None = None, port: int | None = None,
+                        metrics_port: int | None = None) -> list[str]:
+        """The command line of a router of `kind` (default: the spec's) in front of every P and D,
+        on `port` (default: the proxy port) with vllm-router's metrics on `metrics_port`."""
         spec = self.spec
-        return router_argv(spec.router, [m.url for m in self.roles("prefill")],
-                           [m.url for m in self.roles("decode")], self.proxy_port,
+        kind = spec.router if kind is None else kind
+        if port is None:
+            port, metrics_port = self.proxy_port, self.router_metrics_port
+        return router_argv(kind, [m.url for m in self.roles("prefill")],
+                           [m.url for m in self.roles("decode")], port,
                            spec.router_timeout_s or spec.request_timeout_s, router_args,
-                           metrics_port=self.router_metrics_port if spec.router == "vllm-router" else None)
+                           metrics_port=metrics_port if kind == "vllm-router" else None)
 
     def set_router_args(self, router_args: Sequence[str]) -> None:
         """Replace the router's extra arguments (`spec.router_args`) from its next (re)start on."""
@@ -266,9 +272,7 @@ class Cluster:
         port (to compare routers on one deployment); `stop` stops it with the rest."""
         port = self._ports.take()
         metrics_port = self._ports.take() if kind == "vllm-router" else None
-        argv = router_argv(kind, [m.url for m in self.roles("prefill")], [m.url for m in self.roles("decode")],
-                           port, self.spec.router_timeout_s or self.spec.request_timeout_s,
-                           metrics_port=metrics_port)
+        argv = self._router_command((), kind, port, metrics_port)
         svc = start_process(f"router-{len(self.extra_routers) + 1}-{kind}", argv, f"http://127.0.0.1:{port}",
                             self.log_dir)
         self.extra_routers.append(svc)

@@ -38,7 +38,7 @@ from kvlink.bench.transfer_proc import (
 from kvlink.connector.api import RequestView
 from kvlink.connector.config import ConnectorConfig
 from kvlink.connector.scheduler import NixlScheduler
-from kvlink.connector.secret import SECRET_ENV, new_secret
+from kvlink.connector.secret import new_secret
 from kvlink.layout.geometry import build_worker_geometry, packed_base_addrs
 from kvlink.layout.limits import (
     BLOCK_SIZE,
@@ -53,6 +53,7 @@ from kvlink.layout.limits import (
     int_range,
 )
 from kvlink.layout.presets import preset
+from kvlink.transfer.framing import SECRET_ENV
 
 NODE = "kvlink.bench.transfer_node"
 MAX_GIB = float_range(1 / 1024, 1024.0)
