@@ -48,6 +48,7 @@ class NixlWorker(ConnectorWorker):
         self, config: ConnectorConfig, model: ModelSpec, tp_size: int, tp_rank: int,
         block_size: int, kernel_block_size: int, num_blocks: int,
         agent_config: AgentConfig | None = None, clock: Callable[[], float] = time.monotonic,
+        page_order: str = "token_major",
     ) -> None:
         check_worker_sizes(tp_size, tp_rank, block_size, kernel_block_size, num_blocks)
         if config.side_channel_port and config.side_channel_port + tp_rank > MAX_PORT:
@@ -58,6 +59,7 @@ class NixlWorker(ConnectorWorker):
         self.tp_size, self.tp_rank = tp_size, tp_rank
         self.block_size, self.kernel_block_size, self.num_blocks = block_size, kernel_block_size, num_blocks
         self._agent_config = agent_config
+        self.page_order = page_order  # element order inside a page (kvlink.layout.page_order)
         self.clock = clock
         self.secret = resolve_secret(config.secret)  # same secret as the side channel: authenticates notifications
         self.stats = ConnectorStats()
@@ -79,7 +81,8 @@ class NixlWorker(ConnectorWorker):
     def register_kv_caches(self, base_addrs: Sequence[int], nbytes: Sequence[int]) -> None:
         geometry = build_worker_geometry(
             self.model, self.tp_size, self.tp_rank, self.block_size, self.kernel_block_size,
-            self.num_blocks, base_addrs)
+            self.num_blocks, base_addrs,
+            **({} if self.page_order == "token_major" else {"page_order": self.page_order}))
         for region, n in zip(geometry.regions, nbytes, strict=True):
             if region.page_stride * region.num_pages != n:
                 raise ValueError(f"layer {region.layer}: tensor has {n} bytes, layout expects "

@@ -1,0 +1,210 @@
+"""`KvlinkConnector`: a vLLM V1 KV connector (loaded by `kv_connector_module_path`) on
+kvlink's connector core. One instance per role: SCHEDULER in the EngineCore process,
+WORKER in each worker process; the API-server process only imports the class.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.logger import init_logger
+
+from kvlink.connector.api import StepMetadata
+from kvlink.integrations.vllm.layout import SUPPORTED_LAYOUT, UnsupportedVllmLayout, attention_model_spec
+from kvlink.integrations.vllm.options import connector_config
+from kvlink.integrations.vllm.scheduler_side import SchedulerSide
+from kvlink.integrations.vllm.stats import KvlinkPromMetrics, KvlinkStats
+from kvlink.integrations.vllm.worker_side import TORCH_DTYPES, WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+_vllm_log = init_logger("vllm.kvlink")
+
+
+def _route_kvlink_logs() -> None:
+    """kvlink's loggers write through vLLM's handlers, so their lines land in vLLM's log."""
+    kvlink_log, vllm_log = logging.getLogger("kvlink"), logging.getLogger("vllm")
+    if not kvlink_log.handlers and vllm_log.handlers:
+        for handler in vllm_log.handlers:
+            kvlink_log.addHandler(handler)
+        kvlink_log.setLevel(logging.INFO)
+        kvlink_log.propagate = False
+
+
+@dataclass
+class KvlinkMetadata(KVConnectorMetadata):
+    """One scheduler step's work for every worker (plain data; pickled to the workers)."""
+
+    step: StepMetadata = field(default_factory=StepMetadata)
+
+
+def _model_name(vllm_config: VllmConfig) -> str:
+    return os.path.basename(os.path.normpath(str(vllm_config.model_config.model)))
+
+
+def _attention_spec(kv_cache_config: KVCacheConfig | None) -> Any:
+    """The single full-attention spec kvlink can move inside vLLM; refuses anything else."""
+    if kv_cache_config is None:
+        raise UnsupportedVllmLayout("kvlink: vLLM gave the connector no kv_cache_config")
+    groups = kv_cache_config.kv_cache_groups
+    kinds = [type(g.kv_cache_spec).__name__ for g in groups]
+    if len(groups) != 1 or kinds[0] != "FullAttentionSpec" or getattr(groups[0].kv_cache_spec, "sliding_window", None):
+        raise UnsupportedVllmLayout(
+            f"kvlink: this model's KV cache groups are {kinds}; kvlink inside vLLM moves models with one "
+            "full-attention group (FullAttentionSpec) so far. Hybrid attention+SSM models are "
+            "supported on kvlink's own engine (kvlink serve)")
+    return groups[0].kv_cache_spec
+
+
+class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _route_kvlink_logs()
+        transfer = vllm_config.kv_transfer_config
+        assert transfer is not None
+        self.config = connector_config(
+            transfer.kv_connector_extra_config, engine_id=str(transfer.engine_id),
+            load_failure_policy=str(transfer.kv_load_failure_policy))
+        cache = vllm_config.cache_config
+        model_config = vllm_config.model_config
+        parallel = vllm_config.parallel_config
+        if cache.kv_cache_dtype not in ("auto", None):
+            raise UnsupportedVllmLayout(f"kvlink: kv_cache_dtype {cache.kv_cache_dtype!r} is not supported; use 'auto'")
+        spec = _attention_spec(kv_cache_config)
+        dtype = TORCH_DTYPES.get(str(spec.dtype), str(spec.dtype))
+        self._spec = spec
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            model = attention_model_spec(_model_name(vllm_config), model_config.get_total_num_kv_heads(),
+                                         spec.head_size, dtype, 1)
+            assert kv_cache_config is not None
+            self._scheduler = SchedulerSide(self.config, parallel.tensor_parallel_size, model,
+                                            kv_cache_config.transfer_group_ids)
+            _vllm_log.info("kvlink connector (scheduler) for engine %s: %s mode, policy %s, lease %.0f s, "
+                           "stall deadline %.0f s", self.config.engine_id, self.config.transfer_mode,
+                           self.config.load_failure_policy, self.config.lease_s, self.config.stall_timeout_s)
+        else:
+            from vllm.distributed.parallel_state import (
+                get_tensor_model_parallel_rank,
+                get_tensor_model_parallel_world_size,
+            )
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+            isa = _get_attn_isa(spec.dtype, spec.block_size, spec.head_size)
+            self._worker = WorkerSide(
+                self.config, model_name=_model_name(vllm_config),
+                tp_size=get_tensor_model_parallel_world_size(), tp_rank=get_tensor_model_parallel_rank(),
+                num_kv_heads_total=model_config.get_total_num_kv_heads(), head_dim=spec.head_size,
+                block_size=spec.block_size, dtype=dtype, isa=isa)
+
+    # ---- class-level hooks --------------------------------------------------------------
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        return SUPPORTED_LAYOUT
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvlinkStats:
+        return KvlinkStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KvlinkPromMetrics:
+        return KvlinkPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    # ---- scheduler side -----------------------------------------------------------------
+    def _sched(self) -> SchedulerSide:
+        assert self._scheduler is not None, "scheduler-side call on a worker-role connector"
+        return self._scheduler
+
+    def on_new_request(self, request: Any) -> None:
+        self._sched().on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        return self._sched().transfer_group_ids
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return KvlinkMetadata(self._sched().build_step())
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._sched().update_connector_output(connector_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request, [block_ids])
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_push_work()
+
+    # ---- worker side --------------------------------------------------------------------
+    def _work(self) -> WorkerSide:
+        assert self._worker is not None, "worker-side call on a scheduler-role connector"
+        return self._worker
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._work().register_kv_caches(kv_caches, int(self._spec.num_kv_heads))
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, KvlinkMetadata)
+        self._work().start_load_kv(metadata.step)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads are async: a request runs only after its load has finished
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # P's blocks are read (pull) or written out (push) after the request finished
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        out = self._work().poll()
+        return KVConnectorTransferResults(
+            finished_sending=set(out.finished_sending),
+            # vLLM releases a request from its wait only if a failed load is also "finished".
+            finished_recving=set(out.finished_recving) | set(out.failed_recving),
+            failed_recving=set(out.failed_recving),
+        )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set()  # failures go per request through failed_recving (safe with any group count)
+
+    def get_kv_connector_stats(self) -> KvlinkStats | None:
+        if self._worker is None:
+            return None
+        data = self._worker.stats_payload()
+        return KvlinkStats(data=data) if data is not None else None
+
+    def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+        if self._worker is not None:
+            self._worker.shutdown()

@@ -1,0 +1,73 @@
+"""`kv_connector_extra_config` → `ConnectorConfig`: kvlink's field names, checked, nothing else.
+
+Pure: imports no vLLM, so the mapping is unit-tested without an engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from kvlink.connector.config import ConnectorConfig
+from kvlink.connector.secret import load_secret
+
+# Set by the integration from vLLM's own config, never from the extra config.
+_FROM_VLLM = ("engine_id", "load_failure_policy")
+# Extra keys that are not ConnectorConfig fields.
+EXTRA_KEYS = ("secret_file",)
+DEFAULT_SIDE_CHANNEL_PORT = 5700
+
+
+def known_keys() -> tuple[str, ...]:
+    fields = [f.name for f in dataclasses.fields(ConnectorConfig) if f.name not in _FROM_VLLM]
+    return tuple(sorted([*fields, *EXTRA_KEYS]))
+
+
+class BadExtraConfig(ValueError):
+    """The extra config cannot make a ConnectorConfig; the message says what to change."""
+
+
+def connector_config(
+    extra: Mapping[str, Any] | None, *, engine_id: str, load_failure_policy: str,
+) -> ConnectorConfig:
+    """Build the connector config of one vLLM engine from its extra config.
+
+    `engine_id` and `load_failure_policy` come from vLLM's `kv_transfer_config` (the
+    engine id is shared by the scheduler process and every worker process). `secret` is
+    text in JSON; `secret_file` reads it from a file; neither: `$KVLINK_SECRET`.
+    """
+    values = dict(extra or {})
+    unknown = sorted(set(values) - set(known_keys()))
+    if unknown:
+        raise BadExtraConfig(
+            f"kvlink: unknown kv_connector_extra_config keys {unknown}; known keys: "
+            f"{', '.join(known_keys())}")
+    secret_file = values.pop("secret_file", None)
+    if "secret" in values and secret_file is not None:
+        raise BadExtraConfig("kvlink: give either 'secret' or 'secret_file', not both")
+    if secret_file is not None:
+        if not isinstance(secret_file, str):
+            raise BadExtraConfig(f"kvlink: secret_file must be a path, got {secret_file!r}")
+        try:
+            values["secret"] = load_secret(secret_file)
+        except ValueError as exc:
+            raise BadExtraConfig(f"kvlink: {exc}") from None
+    elif "secret" in values:
+        secret = values["secret"]
+        if not isinstance(secret, str) or not secret.strip():
+            raise BadExtraConfig("kvlink: secret must be a non-empty string")
+        values["secret"] = secret.strip().encode()
+    values.setdefault("side_channel_port", DEFAULT_SIDE_CHANNEL_PORT)
+    if values["side_channel_port"] == 0:
+        raise BadExtraConfig(
+            "kvlink: side_channel_port must be a fixed port inside vLLM (rank r listens on "
+            "port + r, and the scheduler process advertises it); 0 (ephemeral) is not supported")
+    for key in ("lease_s", "stall_timeout_s", "quarantine_s", "handshake_timeout_s", "engine_ttl_s"):
+        if key in values and type(values[key]) is int:
+            values[key] = float(values[key])
+    try:
+        return ConnectorConfig(engine_id=engine_id, load_failure_policy=load_failure_policy,  # type: ignore[arg-type]
+                               **values)
+    except (TypeError, ValueError) as exc:
+        raise BadExtraConfig(f"kvlink: bad kv_connector_extra_config: {exc}") from None

@@ -1,0 +1,106 @@
+"""The SCHEDULER-role half inside vLLM's EngineCore: vLLM's calls → kvlink's NixlScheduler."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from kvlink.connector.api import RequestView, StepMetadata, WorkerOutput
+from kvlink.connector.config import ConnectorConfig
+from kvlink.connector.scheduler import NixlScheduler
+from kvlink.layout.spec import ModelSpec
+
+log = logging.getLogger("kvlink.vllm")
+
+# vLLM finish statuses after which P keeps the blocks for D (anything else: abort or error).
+KEEP_STATUSES = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
+
+
+def view(request: Any) -> RequestView:
+    return RequestView(request.request_id, list(request.prompt_token_ids or ()), request.kv_transfer_params)
+
+
+class SchedulerSide:
+    def __init__(self, config: ConnectorConfig, tp_size: int, model: ModelSpec | None,
+                 transfer_group_ids: Sequence[int]) -> None:
+        self.config = config
+        self.core = NixlScheduler(config, tp_size, model=model)
+        self.transfer_group_ids = tuple(transfer_group_ids)
+        self._local_hit: dict[str, int] = {}
+        # Requests whose kv_transfer_params were refused on arrival (policy fail): their
+        # "load" fails at once on the workers, so vLLM ends them with an error.
+        self._refused: dict[str, str] = {}
+        self._refused_loads: list[dict[str, Any]] = []
+
+    def on_new_request(self, request: Any) -> None:
+        try:
+            self.core.on_new_request(view(request))
+        except Exception as exc:  # noqa: BLE001 - anything raised here would stop the engine core
+            if self.config.load_failure_policy == "recompute" or not _wants_remote_prefill(request):
+                log.warning("request %s: ignoring its kv_transfer_params (%s); computing it here",
+                            request.request_id, exc)
+                return
+            log.warning("request %s: refusing its kv_transfer_params: %s", request.request_id, exc)
+            self._refused[request.request_id] = str(exc)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        rid = request.request_id
+        if rid in self._refused:
+            missing = len(request.prompt_token_ids or ()) - 1 - num_computed_tokens
+            if missing > 0:
+                return missing, True
+            log.warning("request %s: refused params but nothing to load; computing it here", rid)
+            self._refused.pop(rid)
+            return 0, False
+        n, is_async = self.core.get_num_new_matched_tokens(view(request), num_computed_tokens)
+        if n > 0:
+            self._local_hit[rid] = num_computed_tokens
+        return n, is_async
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        rid = request.request_id
+        if num_external_tokens <= 0:
+            return
+        block_ids = [list(ids) for ids in blocks.get_block_ids()]
+        if rid in self._refused:
+            self._refused_loads.append({"request_id": rid, "error": self._refused.pop(rid),
+                                        "local_block_ids": block_ids})
+            return
+        self.core.update_state_after_alloc(view(request), block_ids, num_external_tokens,
+                                           self._local_hit.pop(rid, 0))
+
+    def build_step(self) -> StepMetadata:
+        step = self.core.build_step_metadata()
+        if self._refused_loads:
+            step.loads.extend(self._refused_loads)
+            self._refused_loads = []
+        return step
+
+    def update_connector_output(self, output: Any) -> None:
+        self.core.update_connector_output(WorkerOutput(
+            finished_sending=set(output.finished_sending or ()),
+            finished_recving=set(output.finished_recving or ()),
+            failed_recving=set(getattr(output, "failed_recving", None) or ()),
+        ))
+
+    def request_finished(self, request: Any, block_ids: Sequence[Sequence[int]]) -> tuple[bool, dict[str, Any] | None]:
+        self._local_hit.pop(request.request_id, None)
+        self._refused.pop(request.request_id, None)
+        aborted = request.status.name not in KEEP_STATUSES
+        try:
+            return self.core.request_finished(view(request), [list(ids) for ids in block_ids], aborted)
+        except Exception as exc:  # noqa: BLE001 - never stop the engine core on one request
+            log.warning("request %s: not offering its KV to a decode instance: %s", request.request_id, exc)
+            return False, None
+
+    def has_pending_push_work(self) -> bool:
+        return self.config.transfer_mode == "push" and self.core.has_pending_work()
+
+    def shutdown(self) -> None:
+        self.core.shutdown()
+
+
+def _wants_remote_prefill(request: Any) -> bool:
+    params = request.kv_transfer_params
+    return isinstance(params, dict) and bool(params.get("do_remote_prefill"))

@@ -1,0 +1,95 @@
+"""The WORKER-role half inside each vLLM worker process: registers vLLM's KV views with
+kvlink's NixlWorker and maps its output onto vLLM's finished/failed sets and stats."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kvlink.connector.api import StepMetadata, WorkerOutput
+from kvlink.connector.config import ConnectorConfig
+from kvlink.connector.worker import NixlWorker
+from kvlink.integrations.vllm.layout import (
+    LayerTensor,
+    attention_model_spec,
+    check_layer_tensors,
+    order_layers,
+    page_order_for,
+)
+from kvlink.integrations.vllm.stats import from_worker_snapshot
+
+log = logging.getLogger("kvlink.vllm")
+
+TORCH_DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
+
+
+class WorkerSide:
+    def __init__(self, config: ConnectorConfig, *, model_name: str, tp_size: int, tp_rank: int,
+                 num_kv_heads_total: int, head_dim: int, block_size: int, dtype: str, isa: str) -> None:
+        self.config = config
+        self.model_name = model_name
+        self.tp_size, self.tp_rank = tp_size, tp_rank
+        self.num_kv_heads_total, self.head_dim = num_kv_heads_total, head_dim
+        self.block_size, self.dtype, self.isa = block_size, dtype, isa
+        self.core: NixlWorker | None = None
+        self._counters: dict[str, int] = {}
+
+    def register_kv_caches(self, kv_caches: dict[str, Any], local_kv_heads: int) -> None:
+        tensors = [
+            LayerTensor(name, int(t.data_ptr()), tuple(t.shape), tuple(t.stride()), int(t.element_size()),
+                        TORCH_DTYPES.get(str(t.dtype), str(t.dtype)))
+            for name, t in kv_caches.items()
+        ]
+        layers = order_layers(tensors)
+        bases, sizes, num_blocks = check_layer_tensors(
+            layers, num_kv_heads=local_kv_heads, block_size=self.block_size, head_dim=self.head_dim,
+            dtype=self.dtype)
+        order = page_order_for(self.isa, self.dtype, self.block_size, self.head_dim)
+        model = attention_model_spec(self.model_name, self.num_kv_heads_total, self.head_dim, self.dtype,
+                                     len(layers))
+        core = NixlWorker(self.config, model, self.tp_size, self.tp_rank, self.block_size, self.block_size,
+                          num_blocks, page_order=order)
+        core.register_kv_caches(bases, sizes)
+        self.core = core
+        log.info("kvlink in vLLM: rank %d/%d registered %d layers x %d blocks of %d tokens (%s, page order "
+                 "%s), side channel %s:%d", self.tp_rank, self.tp_size, len(layers), num_blocks,
+                 self.block_size, self.dtype, order, self.config.side_channel_host, core.side_channel_port)
+
+    def start_load_kv(self, step: StepMetadata) -> None:
+        assert self.core is not None, "register_kv_caches first"
+        refused = [e for e in step.loads if "error" in e]
+        if refused:
+            step.loads = [e for e in step.loads if "error" not in e]
+            for entry in refused:
+                blocks = {int(b) for ids in entry.get("local_block_ids", []) for b in ids}
+                self.core.fail_request(entry["request_id"], blocks, entry["error"], bad_params=True)
+        self.core.start_load_kv(step)
+
+    def poll(self) -> WorkerOutput:
+        if self.core is None:
+            return WorkerOutput()
+        out = self.core.get_finished()
+        for rid, fig in out.transfer_figures.items():
+            log.info("kvlink load %s: %d bytes in %.2f ms (%d descriptors)", rid, int(fig.get("kv_bytes", 0)),
+                     1e3 * float(fig.get("kv_transfer_s", 0.0)), int(fig.get("kv_descriptors", 0)))
+        for rid in out.finished_sending:
+            log.info("kvlink send %s: done, blocks released", rid)
+        for rid, failure in out.load_failures.items():
+            log.warning("kvlink load %s failed: %s", rid, failure.reason)
+        return out
+
+    def stats_payload(self) -> dict[str, Any] | None:
+        if self.core is None:
+            return None
+        data = from_worker_snapshot(self.core.get_stats(), self._counters)
+        if not data["xfer_s"] and not data["counters"]:
+            return None
+        return data
+
+    def debug_state(self) -> dict[str, Any]:
+        return self.core.debug_state() if self.core is not None else {}
+
+    def shutdown(self) -> None:
+        if self.core is not None:
+            self.core.shutdown()
+            self.core = None
