@@ -267,7 +267,7 @@ def order_sides(draw: st.DrawFn, tp: int) -> Side:
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), ORDER_TP_PAIRS)
 @pytest.mark.parametrize("order", ["token_major", "vllm_cpu_vec", "vllm_cpu_amx"])
-@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_page_orders_are_byte_exact(order: str, p_tp: int, d_tp: int, data: st.DataObject) -> None:
     """Both sides lay pages out in `order` (the simulator through `element_index`); any pair
