@@ -10,7 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvlink.layout.geometry import WorkerGeometry, build_worker_geometry, packed_base_addrs
 from kvlink.layout.presets import DEEPSEEK_MLA, LLAMA3_8B, TINY_HYBRID
+from kvlink.layout.spec import FullAttention, ModelSpec, SlidingWindow
 from kvlink.plan.budget import plan_bytes
 from kvlink.plan.report import EngineConfig, fake_engine
 from kvlink.plan.transfer_plan import build_transfer_plan
@@ -70,3 +72,25 @@ def test_request_longer_than_its_block_lists_is_refused_before_allocating() -> N
     finally:
         tracemalloc.stop()
     assert peak < 2**20
+
+
+@settings(max_examples=30, deadline=None)
+@given(order=st.sampled_from(["token_major", "vllm_cpu_vec", "vllm_cpu_amx"]),
+       p_tp=st.sampled_from([1, 2, 4]), d_tp=st.sampled_from([1, 2, 4]),
+       p_kbs=st.sampled_from([32, 64, 128]), d_kbs=st.sampled_from([32, 64, 128]),
+       p_ppl=st.sampled_from([1, 2]), d_ppl=st.sampled_from([1, 2]), num_blocks=st.integers(1, 5))
+def test_computed_size_equals_built_lists_for_page_orders(order: str, p_tp: int, d_tp: int, p_kbs: int,
+                                                          d_kbs: int, p_ppl: int, d_ppl: int,
+                                                          num_blocks: int) -> None:
+    model = ModelSpec("o", 4, 64, "bfloat16", (FullAttention(), SlidingWindow(64)), (0, 1, 0))
+
+    def workers(tp: int, kbs: int, ppl: int, blocks: int, start: int) -> dict[int, WorkerGeometry]:
+        bases = [packed_base_addrs(model, tp, kbs * ppl, kbs, blocks, start + (r << 36)) for r in range(tp)]
+        return {r: build_worker_geometry(model, tp, r, kbs * ppl, kbs, blocks, bases[r], device_id=r,
+                                         page_order=order) for r in range(tp)}
+
+    p_engine = workers(p_tp, p_kbs, p_ppl, num_blocks, 1 << 40)
+    for reader in workers(d_tp, d_kbs, d_ppl, num_blocks + 2, 1 << 44).values():
+        plan = build_transfer_plan(reader, p_engine)
+        built = sum(s.local_descs.nbytes + s.remote_descs.nbytes for s in plan.sources)
+        assert plan_bytes(reader, p_engine) == built

@@ -90,7 +90,7 @@ def _tokens(model: ModelSpec, start_of: list[int], end: int) -> list[np.ndarray]
 
 
 def run_scenario(model: ModelSpec, p: Side, d: Side, shipped: int, prefix_blocks: int,
-                 seed: int) -> list[list[int]]:
+                 seed: int, page_order: str = "token_major") -> list[list[int]]:
     """Simulate every D rank; returns, per D rank, the P ranks it read bytes from."""
     rng = np.random.default_rng(seed)
     prompt = shipped + 1
@@ -108,7 +108,8 @@ def run_scenario(model: ModelSpec, p: Side, d: Side, shipped: int, prefix_blocks
     ]
     sources = {}
     for rank in range(p.tp):
-        mem = sim.make_worker(model, p.tp, rank, p.block_size, p.kernel_block_size, p_num_blocks, 0, rng)
+        mem = sim.make_worker(model, p.tp, rank, p.block_size, p.kernel_block_size, p_num_blocks, 0, rng,
+                              page_order)
         sim.store(mem, logical, p_ids, p_tokens)
         sources[rank] = mem
     geometries = {rank: mem.geometry for rank, mem in sources.items()}
@@ -120,7 +121,8 @@ def run_scenario(model: ModelSpec, p: Side, d: Side, shipped: int, prefix_blocks
     read_from: list[list[int]] = []
     has_state = any(sim.group_is_ssm(model, g) for g in range(len(model.groups)))
     for rank in range(d.tp):
-        reader = sim.make_worker(model, d.tp, rank, d.block_size, d.kernel_block_size, d_num_blocks, 1, rng)
+        reader = sim.make_worker(model, d.tp, rank, d.block_size, d.kernel_block_size, d_num_blocks, 1, rng,
+                                 page_order)
         before = reader.data.copy()
         plan = build_transfer_plan(reader.geometry, geometries)
         specs = plan.request_ids(d_ids, p_ids, shipped, computed)
@@ -235,3 +237,53 @@ def test_hybrid_tp_4_8_reads_each_d_rank_from_one_p_rank() -> None:
     assert run_scenario(TINY_HYBRID, Side(8, 16, 16), Side(4, 16, 16), 40, 0, 13) == [
         [0, 1], [2, 3], [4, 5], [6, 7]]
     assert consumers_per_producer(TINY_HYBRID, 8, 4) == (1,) * 8
+
+
+# ---------------------------------------------------------------------------------------
+# page orders: vLLM CPU attention pages (K/V split, transposed or AMX-tiled inside a head)
+# ---------------------------------------------------------------------------------------
+ORDER_TP_PAIRS = [(1, 1), (1, 2), (2, 1), (2, 4)]
+ORDER_KERNEL_BLOCKS = st.sampled_from([32, 64, 128])
+
+
+@st.composite
+def order_models(draw: st.DrawFn, order: str) -> ModelSpec:
+    dtype = "bfloat16" if order == "vllm_cpu_amx" else draw(st.sampled_from(["float32", "bfloat16"]))
+    mix = draw(st.sampled_from(["full", "full+sliding"]))
+    groups: tuple[GroupSpec, ...] = (FullAttention(),)
+    if mix == "full+sliding":
+        groups = (FullAttention(), SlidingWindow(window=draw(st.integers(1, 200))))
+    layers = draw(st.integers(len(groups), 2))
+    return ModelSpec(name=mix, num_kv_heads=draw(st.sampled_from([2, 4])),
+                     head_dim=draw(st.sampled_from([32, 64])), dtype=dtype, groups=groups,
+                     layer_groups=tuple(i % len(groups) for i in range(layers)))
+
+
+@st.composite
+def order_sides(draw: st.DrawFn, tp: int) -> Side:
+    kernel = draw(ORDER_KERNEL_BLOCKS)
+    return Side(tp, kernel * draw(st.sampled_from([1, 2])), kernel)
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), ORDER_TP_PAIRS)
+@pytest.mark.parametrize("order", ["token_major", "vllm_cpu_vec", "vllm_cpu_amx"])
+@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_page_orders_are_byte_exact(order: str, p_tp: int, d_tp: int, data: st.DataObject) -> None:
+    """Both sides lay pages out in `order` (the simulator through `element_index`); any pair
+    of kernel block sizes from {32, 64, 128}, any D prefix hit, any token count."""
+    model = data.draw(order_models(order), "model")
+    p, d = data.draw(order_sides(p_tp), "P"), data.draw(order_sides(d_tp), "D")
+    event("same kernel blocks" if p.kernel_block_size == d.kernel_block_size
+          else "P smaller" if p.kernel_block_size < d.kernel_block_size else "P larger")
+    shipped = data.draw(st.one_of(st.integers(0, 400), st.sampled_from([31, 33, 95, 127, 129, 257])), "shipped")
+    prefix_blocks = data.draw(st.integers(0, shipped // d.block_size), "prefix blocks")
+    run_scenario(model, p, d, shipped, prefix_blocks, data.draw(st.integers(0, 2**16), "seed"), order)
+
+
+@pytest.mark.parametrize("order", ["vllm_cpu_vec", "vllm_cpu_amx"])
+@pytest.mark.parametrize(("p_kbs", "d_kbs"), [(32, 128), (128, 32), (64, 32), (32, 64)])
+def test_page_orders_hand_picked(order: str, p_kbs: int, d_kbs: int) -> None:
+    model = ModelSpec("o", 4, 32, "bfloat16", (FullAttention(),), (0, 0))
+    run_scenario(model, Side(1, p_kbs, p_kbs), Side(2, 2 * d_kbs, d_kbs), 300, 1, 21, order)
+    run_scenario(model, Side(2, 2 * p_kbs, p_kbs), Side(1, d_kbs, d_kbs), 97, 0, 22, order)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -130,3 +132,85 @@ def test_model_mismatch_names_every_field() -> None:
     assert "Supported:" in text
     with pytest.raises(IncompatibleLayout):
         build_transfer_plan(d, {0: p})
+
+
+def _order_worker(model: ModelSpec, tp: int, rank: int, kbs: int, blocks: int, side: int,
+                  order: str | None) -> WorkerGeometry:
+    start = (1 + side * 16 + rank) << 36
+    bases = packed_base_addrs(model, tp, 2 * kbs, kbs, blocks, start)
+    if order is None:
+        return build_worker_geometry(model, tp, rank, 2 * kbs, kbs, blocks, bases, device_id=rank)
+    return build_worker_geometry(model, tp, rank, 2 * kbs, kbs, blocks, bases, device_id=rank, page_order=order)
+
+
+@pytest.mark.parametrize(("p_kbs", "d_kbs"), [(16, 16), (32, 16), (16, 64)])
+def test_token_major_plans_are_unchanged(p_kbs: int, d_kbs: int) -> None:
+    """Explicit token_major equals the default, and chunked pieces follow the original formula:
+    per (page, chunk, head) one piece at head*unit + c*chunk*token_bytes of chunk*token_bytes."""
+    model = ModelSpec("m", 4, 8, "bfloat16", (FullAttention(),), (0, 0))
+    d_default = _order_worker(model, 2, 1, d_kbs, 6, 1, None)
+    p_default = {r: _order_worker(model, 1, r, p_kbs, 5, 0, None) for r in range(1)}
+    d_explicit = _order_worker(model, 2, 1, d_kbs, 6, 1, "token_major")
+    p_explicit = {r: _order_worker(model, 1, r, p_kbs, 5, 0, "token_major") for r in range(1)}
+    default, explicit = build_transfer_plan(d_default, p_default), build_transfer_plan(d_explicit, p_explicit)
+    for a, b in zip(default.sources, explicit.sources, strict=True):
+        np.testing.assert_array_equal(a.local_descs, b.local_descs)
+        np.testing.assert_array_equal(a.remote_descs, b.remote_descs)
+    if p_kbs == d_kbs:
+        return
+    chunk = default.chunk_tokens
+    region = d_default.attention_regions[0]
+    heads = [2, 3]  # D rank 1 of TP 2 holds global heads 2, 3 = P slots 2, 3
+    for geometry, descs, slots in ((d_default, default.source(0).local_descs, [0, 1]),
+                                   (p_default[0], default.source(0).remote_descs, heads)):
+        reg = geometry.attention_regions[0]
+        per_page = geometry.kernel_block_size // chunk * len(slots)
+        want = [reg.base + page * reg.page_stride + slot * reg.unit_bytes + c * chunk * reg.token_bytes
+                for page in range(reg.num_pages) for c in range(geometry.kernel_block_size // chunk)
+                for slot in slots]
+        got = descs[:reg.num_pages * per_page]
+        assert got[:, 0].tolist() == want
+        assert set(got[:, 1].tolist()) == {chunk * region.token_bytes}
+
+
+def test_page_order_mismatch_is_refused_naming_both_orders() -> None:
+    model = ModelSpec("m", 4, 32, "bfloat16", (FullAttention(),), (0, 0))
+    p = _order_worker(model, 1, 0, 32, 4, 0, "vllm_cpu_amx")
+    d = _order_worker(model, 1, 0, 64, 4, 1, "vllm_cpu_vec")
+    message = "page order: P has 'vllm_cpu_amx', D has 'vllm_cpu_vec'; kvlink moves KV only between equal"
+    with pytest.raises(IncompatibleLayout, match=message):
+        check_compatible(p.to_wire(), d.to_wire())
+    with pytest.raises(IncompatibleLayout, match=message):
+        build_transfer_plan(d, {0: p})
+    old_peer = {k: v for k, v in p.to_wire().items() if k != "page_order"}
+    with pytest.raises(IncompatibleLayout, match="P has 'token_major', D has 'vllm_cpu_vec'"):
+        check_compatible(old_peer, d.to_wire())
+
+
+def test_chunks_smaller_than_the_order_granule_are_refused() -> None:
+    # amx geometries need kernel blocks of 32k tokens, so build the pair past that check
+    model = ModelSpec("m", 4, 32, "bfloat16", (FullAttention(),), (0, 0))
+    p = dataclasses.replace(_order_worker(model, 1, 0, 8, 4, 0, None), page_order="vllm_cpu_amx")
+    d = dataclasses.replace(_order_worker(model, 1, 0, 16, 4, 1, None), page_order="vllm_cpu_amx")
+    with pytest.raises(IncompatibleLayout, match="granules of 16 tokens, but kernel block sizes P 8 and D 16"):
+        build_transfer_plan(d, {0: p})
+
+
+def test_vec_pieces_follow_each_sides_segments() -> None:
+    """vllm_cpu_vec 32 → 128: each head chunk is D K rows of `chunk` elements, then one V run;
+    the K rows are N apart on each side with that side's own N."""
+    model = ModelSpec("m", 2, 32, "float32", (FullAttention(),), (0,))
+    p, d = _order_worker(model, 1, 0, 32, 4, 0, "vllm_cpu_vec"), _order_worker(model, 1, 0, 128, 2, 1, "vllm_cpu_vec")
+    plan = build_transfer_plan(d, {0: p})
+    source = plan.source(0)
+    seg = source.attention[0]
+    assert plan.chunk_tokens == 32 and seg.pieces == 2 * (32 + 1)
+    (spec,) = plan.request_ids([[0]], [[0, 1]], 64)
+    local, remote = source.local_descs[spec.local_idx], source.remote_descs[spec.remote_idx]
+    l_base, r_base = d.regions[0].base, p.regions[0].base
+    # chunk 1 of D page 0 (tokens 32..63) head 0, K row 1 ← P page 1 (tokens 32..63) head 0, K row 1
+    piece = seg.pieces + 1
+    assert int(local[piece, 0]) - l_base == 1 * 128 * 4 + 32 * 4
+    assert int(remote[piece, 0]) - r_base == p.regions[0].page_stride + 1 * 32 * 4
+    assert int(local[piece, 1]) == 32 * 4
+    assert spec.nbytes == 64 * 2 * 2 * 32 * 4

@@ -10,6 +10,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvlink.layout.geometry import Region, WorkerGeometry, build_worker_geometry, packed_base_addrs
+from kvlink.layout.page_order import element_index
 from kvlink.layout.spec import ModelSpec, is_ssm
 from kvlink.plan.request import ReadSpec
 from kvlink.plan.tp_mapping import model_parts
@@ -34,11 +35,12 @@ class WorkerMemory:
 
 
 def make_worker(model: ModelSpec, tp: int, rank: int, block_size: int, kernel_block_size: int,
-                num_blocks: int, side: int, rng: np.random.Generator) -> WorkerMemory:
+                num_blocks: int, side: int, rng: np.random.Generator,
+                page_order: str = "token_major") -> WorkerMemory:
     start = MEMORY_STRIDE * (1 + side * 16 + rank)
     bases = packed_base_addrs(model, tp, block_size, kernel_block_size, num_blocks, start, align=64)
     geometry = build_worker_geometry(model, tp, rank, block_size, kernel_block_size, num_blocks, bases,
-                                     device_id=rank)
+                                     device_id=rank, page_order=page_order)
     size = max(r.end for r in geometry.regions) - start
     data = rng.integers(0, 256, size=size, dtype=np.uint8)
     return WorkerMemory(geometry, start, data, np.zeros(size, dtype=np.int32))
@@ -70,13 +72,24 @@ def make_logical(model: ModelSpec, num_tokens: int, rng: np.random.Generator) ->
 
 def _row_offsets(region: Region, geometry: WorkerGeometry, ids: Ints, tokens: Ints, first_token: int,
                  start: int) -> Ints:
-    """Buffer offset of each token's row for unit slot 0 of an attention/MLA region."""
+    """Buffer offsets `[token, row byte]` of each token's logical row for unit slot 0 of an
+    attention/MLA region. A logical attention row is K (head_dim elements) then V; where its
+    bytes lie inside the unit follows the geometry's page order through `element_index`."""
     logical = ids[(tokens - first_token) // geometry.block_size]
     assert (logical >= 0).all(), "simulator addressed a null block"
     in_block = tokens % geometry.block_size
     kernel = logical * geometry.physical_per_logical + in_block // geometry.kernel_block_size
     in_kernel = in_block % geometry.kernel_block_size
-    return (region.base - start) + kernel * region.page_stride + in_kernel * region.token_bytes
+    page = (region.base - start) + kernel * region.page_stride
+    row_byte = np.arange(region.token_bytes, dtype=np.int64)
+    if region.kind == "mla":
+        return page[:, None] + in_kernel[:, None] * region.token_bytes + row_byte[None, :]
+    e = geometry.model.dtype_bytes
+    head_dim = geometry.model.head_dim
+    elem = row_byte // e
+    index = element_index(geometry.page_order, geometry.kernel_block_size, head_dim,
+                          (elem // head_dim)[None, :], in_kernel[:, None], (elem % head_dim)[None, :])
+    return page[:, None] + index * e + (row_byte % e)[None, :]
 
 
 def _global_units(region: Region, geometry: WorkerGeometry) -> list[int]:
@@ -111,7 +124,7 @@ def store(mem: WorkerMemory, logical: LogicalKV, ids: Sequence[Ints], tokens: Se
         base = _row_offsets(region, geometry, ids[region.group], toks, 0, mem.start)
         for slot, unit in enumerate(_global_units(region, geometry)):
             offsets = base + slot * region.unit_bytes
-            mem.data[_span(offsets, region.token_bytes)] = logical.rows[region.layer][toks, unit].reshape(-1)
+            mem.data[offsets.reshape(-1)] = logical.rows[region.layer][toks, unit].reshape(-1)
 
 
 def load(mem: WorkerMemory, ids: Sequence[Ints], tokens: Sequence[Ints], first_token: int) -> LogicalKV:
@@ -130,7 +143,7 @@ def load(mem: WorkerMemory, ids: Sequence[Ints], tokens: Sequence[Ints], first_t
         base = _row_offsets(region, geometry, ids[region.group], toks, first_token, mem.start)
         out = np.empty((toks.size, region.units, region.token_bytes), dtype=np.uint8)
         for slot in range(region.units):
-            out[:, slot] = mem.data[_span(base + slot * region.unit_bytes, region.token_bytes)].reshape(
+            out[:, slot] = mem.data[(base + slot * region.unit_bytes).reshape(-1)].reshape(
                 toks.size, region.token_bytes)
         rows[region.layer] = out
     return LogicalKV(rows, ssm)

@@ -12,6 +12,13 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvlink.layout.limits import NUM_BLOCKS, TP, check, int_range
+from kvlink.layout.page_order import (
+    DEFAULT_PAGE_ORDER,
+    PAGE_ORDERS,
+    Segment,
+    check_page_order,
+    unit_segments,
+)
 from kvlink.layout.spec import GDN, MLA, Mamba2, ModelSpec, ShardedPart, is_ssm
 from kvlink.layout.tensors import TensorSpec, check_block_sizes, kv_tensor_specs, ssm_page_slices
 
@@ -74,6 +81,7 @@ class WorkerGeometry:
     num_blocks: int
     device_id: int
     regions: tuple[Region, ...]
+    page_order: str = DEFAULT_PAGE_ORDER
 
     @property
     def physical_per_logical(self) -> int:
@@ -92,6 +100,15 @@ class WorkerGeometry:
     def ssm_regions(self) -> tuple[Region, ...]:
         return tuple(r for r in self.regions if r.kind == "ssm")
 
+    def token_segments(self, region: Region) -> tuple[Segment, ...]:
+        """Segments of one unit of an attention or MLA region (see `kvlink.layout.page_order`)."""
+        if region.kind == "attention":
+            return unit_segments(self.page_order, self.kernel_block_size, self.model.head_dim,
+                                 self.model.dtype_bytes)
+        if region.kind == "mla":
+            return (Segment(0, 1, region.token_bytes),)
+        raise ValueError(f"layer {region.layer} is an SSM region: its pages have no token segments")
+
     def to_wire(self) -> dict[str, Any]:
         """Plain ints, strs, lists and dicts; `from_wire` rebuilds an equal geometry."""
         return {
@@ -105,6 +122,7 @@ class WorkerGeometry:
             "num_blocks": self.num_blocks,
             "device_id": self.device_id,
             "base_addrs": [r.base for r in self.regions],
+            "page_order": self.page_order,
         }
 
     @classmethod
@@ -118,6 +136,7 @@ class WorkerGeometry:
                                          "num_blocks", "device_id")}
             bases = list(wire["base_addrs"])
             claimed_hash = wire["compat_hash"]
+            page_order = wire.get("page_order", DEFAULT_PAGE_ORDER)  # peers before page orders
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed geometry wire: missing or bad field {exc}") from exc
         bad = [k for k, v in ints.items() if type(v) is not int]
@@ -126,9 +145,11 @@ class WorkerGeometry:
             raise ValueError(f"malformed geometry wire: fields {bad} must be integers")
         if claimed_hash != model.compat_hash():
             raise ValueError("geometry wire compat_hash does not match its model spec")
+        if not isinstance(page_order, str):
+            raise ValueError(f"malformed geometry wire: page_order must be a string, got {page_order!r}")
         return build_worker_geometry(
             model, ints["tp_size"], ints["tp_rank"], ints["block_size"], ints["kernel_block_size"],
-            ints["num_blocks"], bases, device_id=ints["device_id"],
+            ints["num_blocks"], bases, device_id=ints["device_id"], page_order=page_order,
         )
 
 
@@ -191,17 +212,32 @@ def build_worker_geometry(
     num_blocks: int,
     base_addrs: Sequence[int],
     device_id: int = 0,
+    page_order: str = DEFAULT_PAGE_ORDER,
 ) -> WorkerGeometry:
-    """The geometry of the tensors `kv_tensor_specs` describes, placed at `base_addrs` (one per layer)."""
+    """The geometry of the tensors `kv_tensor_specs` describes, placed at `base_addrs` (one per layer).
+
+    `page_order` is the element order inside each head's unit of an attention page
+    (`kvlink.layout.page_order.PAGE_ORDERS`); MLA and SSM pages are only token-major.
+    """
     check_worker_sizes(tp_size, tp_rank, block_size, kernel_block_size, num_blocks)
     check("device_id", device_id, DEVICE_ID)
+    check_model_page_order(model, kernel_block_size, page_order)
     if len(base_addrs) != model.num_layers:
         raise ValueError(f"expected {model.num_layers} base addresses (one per layer), got {len(base_addrs)}")
     specs = kv_tensor_specs(model, tp_size, block_size, kernel_block_size, num_blocks)
     regions = tuple(_region_for(s, model, tp_size, int(b)) for s, b in zip(specs, base_addrs, strict=True))
     _check_no_overlap(regions)
     return WorkerGeometry(model, tp_size, tp_rank, block_size, kernel_block_size, num_blocks,
-                          device_id, regions)
+                          device_id, regions, page_order)
+
+
+def check_model_page_order(model: ModelSpec, kernel_block_size: int, page_order: str) -> None:
+    """ValueError unless `model`'s attention pages can use `page_order` (MLA only token-major)."""
+    if page_order in PAGE_ORDERS and page_order != DEFAULT_PAGE_ORDER and any(
+            isinstance(g, MLA) for g in model.groups):
+        raise ValueError(f"page order {page_order!r} is for attention heads; MLA latent pages are "
+                         f"only supported in {DEFAULT_PAGE_ORDER!r}")
+    check_page_order(page_order, kernel_block_size, model.head_dim, model.dtype)
 
 
 def check_worker_sizes(tp_size: int, tp_rank: int, block_size: int, kernel_block_size: int,

@@ -1,7 +1,8 @@
 """The memory a transfer plan's descriptor lists will take, computed before any is allocated.
 
 A plan holds, for every source rank, a local and a remote list of `(addr, len, device)`
-uint64 triples: one per (page, token chunk, piece) of every region it moves. Their
+uint64 triples: one per (page, token chunk, piece) of every region it moves (a piece
+is a head run, or with unequal kernel blocks one segment of one head's page order). Their
 count follows from the geometries and the TP mapping alone, so an absurd pool size or
 chunking is refused with the computed size instead of ending in a MemoryError.
 """
@@ -31,7 +32,8 @@ def descriptor_count(
         for local_reg, remote_reg in zip(local.attention_regions, remote.attention_regions, strict=True):
             key = "kv" if local_reg.kind == "attention" else f"g{local_reg.group}.latent"
             runs = mapping.runs_from(key, src)
-            pieces = len(runs) if whole else sum(run.count for run in runs)
+            segments = 1 if whole else len(local.token_segments(local_reg))
+            pieces = len(runs) if whole else sum(run.count for run in runs) * segments
             count += pieces * (local_reg.num_pages * l_chunks + remote_reg.num_pages * r_chunks)
         for local_reg, remote_reg in zip(local.ssm_regions, remote.ssm_regions, strict=True):
             for sub in local_reg.sub_parts:

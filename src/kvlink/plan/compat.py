@@ -13,8 +13,8 @@ SUPPORTED = (
     "Supported: P and D run the same model spec (name, dtype, head_dim, KV heads, layers and "
     "group kinds); each side's TP size either divides every sharded part's unit count (KV "
     "heads, SSM heads and groups) or is a multiple of it; each side's kernel block size "
-    "divides its block size. P and D TP sizes and block sizes may otherwise differ freely, "
-    "in either direction."
+    "divides its block size; both sides use the same intra-page element order (page order). "
+    "P and D TP sizes and block sizes may otherwise differ freely, in either direction."
 )
 
 
@@ -67,6 +67,14 @@ def model_mismatches(p_model: ModelSpec, d_model: ModelSpec) -> list[str]:
     return found or ["model spec hash differs"]
 
 
+def page_order_mismatches(p_order: str, d_order: str) -> list[str]:
+    """The reason P's and D's intra-page element orders cannot be paired (empty when equal)."""
+    if p_order == d_order:
+        return []
+    return [f"page order: P has {p_order!r}, D has {d_order!r}; kvlink moves KV only between "
+            f"equal intra-page orders"]
+
+
 def _layer_kinds(model: ModelSpec) -> list[str]:
     return [model.groups[g].kind for g in model.layer_groups]
 
@@ -96,7 +104,8 @@ def check_compatible(
     p_side: WorkerGeometry | Mapping[str, Any], d_side: WorkerGeometry | Mapping[str, Any],
 ) -> None:
     """Compare a P worker and a D worker (geometries or their wire dicts)."""
-    p_model, d_model = _as_geometry("P", p_side).model, _as_geometry("D", d_side).model
-    problems = model_mismatches(p_model, d_model)
+    p_geometry, d_geometry = _as_geometry("P", p_side), _as_geometry("D", d_side)
+    problems = model_mismatches(p_geometry.model, d_geometry.model)
+    problems += page_order_mismatches(p_geometry.page_order, d_geometry.page_order)
     if problems:
         raise IncompatibleLayout(problems)

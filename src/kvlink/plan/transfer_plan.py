@@ -4,7 +4,8 @@ For every source rank it holds a local and a remote descriptor list in the same
 id scheme; a request then only computes integer index arrays (`request_ids`).
 The unit of attention movement is (region, kernel block, token chunk, piece) with
 chunk = gcd of both kernel block sizes: one piece per contiguous head run when
-both sides' kernel blocks are equal, one piece per head otherwise.
+both sides' kernel blocks are equal, otherwise one piece per head and segment of
+the page order (one segment for kvlink's token-major pages).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from math import gcd
 import numpy as np
 
 from kvlink.layout.geometry import Region, WorkerGeometry, remote_sub_part_slice
+from kvlink.layout.page_order import min_chunk_tokens
 from kvlink.plan.budget import DESCRIPTOR_BYTES, check_plan_bytes, descriptor_count
 from kvlink.plan.compat import IncompatibleLayout, check_compatible
 from kvlink.plan.descriptors import DescArray, IntArray, page_descs
@@ -110,21 +112,31 @@ class _ListBuilder:
 
 
 def _attention_pieces(
-    runs: Sequence[UnitRun], local_reg: Region, remote_reg: Region, chunk: int, whole_blocks: bool,
+    runs: Sequence[UnitRun], local: WorkerGeometry, remote: WorkerGeometry, local_reg: Region,
+    remote_reg: Region, chunk: int, whole_blocks: bool,
 ) -> tuple[IntArray, IntArray, IntArray]:
-    """(local offsets, remote offsets, lengths) of the pieces of token chunk 0 of a page."""
+    """(local offsets, remote offsets, lengths) of the pieces of token chunk 0 of a page.
+
+    Chunk c of a piece lies `c * length` bytes further on both sides: with equal kernel
+    blocks there is one chunk per page; otherwise every piece is `chunk / g` whole
+    granules of one segment of one head's unit (`WorkerGeometry.token_segments`).
+    """
     if whole_blocks:
         rows = [(r.local_slot * local_reg.unit_bytes, r.remote_slot * remote_reg.unit_bytes,
                  r.count * local_reg.unit_bytes) for r in runs]
     else:
-        rows = [((r.local_slot + j) * local_reg.unit_bytes, (r.remote_slot + j) * remote_reg.unit_bytes,
-                 chunk * local_reg.token_bytes) for r in runs for j in range(r.count)]
+        pairs = list(zip(local.token_segments(local_reg), remote.token_segments(remote_reg), strict=True))
+        rows = [((r.local_slot + j) * local_reg.unit_bytes + ls.offset_bytes,
+                 (r.remote_slot + j) * remote_reg.unit_bytes + rs.offset_bytes,
+                 chunk // ls.granule_tokens * ls.granule_bytes)
+                for r in runs for j in range(r.count) for ls, rs in pairs]
     table = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
     return table[:, 0], table[:, 1], table[:, 2]
 
 
-def _chunk_offsets(piece_offsets: IntArray, chunks_per_block: int, chunk_stride: int) -> IntArray:
-    return (np.arange(chunks_per_block, dtype=np.int64)[:, None] * chunk_stride
+def _chunk_offsets(piece_offsets: IntArray, chunks_per_block: int, chunk_strides: IntArray) -> IntArray:
+    """Offsets of every (chunk, piece) of a page, chunk-major; piece i advances `chunk_strides[i]`."""
+    return (np.arange(chunks_per_block, dtype=np.int64)[:, None] * chunk_strides[None, :]
             + piece_offsets[None, :]).reshape(-1)
 
 
@@ -138,12 +150,11 @@ def _build_source(plan_args: _PlanArgs, src: int) -> SourcePlan:
         runs = mapping.runs_from(key, src)
         if not runs:
             continue
-        l_off, r_off, lens = _attention_pieces(runs, local_reg, remote_reg, chunk, whole)
-        stride = chunk * local_reg.token_bytes
+        l_off, r_off, lens = _attention_pieces(runs, local, remote, local_reg, remote_reg, chunk, whole)
         l_chunks, r_chunks = local.kernel_block_size // chunk, remote.kernel_block_size // chunk
-        l_start = local_list.add(local_reg, local_reg.num_pages, _chunk_offsets(l_off, l_chunks, stride),
+        l_start = local_list.add(local_reg, local_reg.num_pages, _chunk_offsets(l_off, l_chunks, lens),
                                  np.tile(lens, l_chunks))
-        r_start = remote_list.add(remote_reg, remote_reg.num_pages, _chunk_offsets(r_off, r_chunks, stride),
+        r_start = remote_list.add(remote_reg, remote_reg.num_pages, _chunk_offsets(r_off, r_chunks, lens),
                                   np.tile(lens, r_chunks))
         att.setdefault(local_reg.group, []).append((l_start, r_start, len(lens), int(lens.sum())))
     ssm: dict[int, list[tuple[int, int, int]]] = {}
@@ -217,6 +228,11 @@ def build_transfer_plan(
         raise ValueError(f"reader rank {local.tp_rank} reads from ranks {mapping.source_ranks}; "
                          f"geometry missing for {missing}, not a source: {stray}")
     chunk = gcd(local.kernel_block_size, any_remote.kernel_block_size)
+    if local.kernel_block_size != any_remote.kernel_block_size and chunk % min_chunk_tokens(local.page_order):
+        raise IncompatibleLayout([
+            f"page order {local.page_order!r} moves whole granules of {min_chunk_tokens(local.page_order)} "
+            f"tokens, but kernel block sizes P {any_remote.kernel_block_size} and D "
+            f"{local.kernel_block_size} only share chunks of {chunk} tokens"])
     check_plan_bytes(DESCRIPTOR_BYTES * descriptor_count(local, remotes, mapping, wanted, chunk),
                      f"the transfer plan of reader rank {local.tp_rank}")
     args = _PlanArgs(local, remotes, mapping, chunk)
