@@ -12,7 +12,7 @@ ALIGN = 4096
 
 
 def real_worker(model: ModelSpec, tp: int, rank: int, block_size: int, kernel_block_size: int,
-                num_blocks: int, seed: int) -> sim.WorkerMemory:
+                num_blocks: int, seed: int, page_order: str = "token_major") -> sim.WorkerMemory:
     """A worker whose regions live in one real, page-aligned numpy buffer filled with noise."""
     probe = packed_base_addrs(model, tp, block_size, kernel_block_size, num_blocks, 0, align=ALIGN)
     probe_geo = build_worker_geometry(model, tp, rank, block_size, kernel_block_size, num_blocks, probe)
@@ -22,7 +22,8 @@ def real_worker(model: ModelSpec, tp: int, rank: int, block_size: int, kernel_bl
     data = raw[shift:shift + size]
     start = data.ctypes.data
     bases = packed_base_addrs(model, tp, block_size, kernel_block_size, num_blocks, start, align=ALIGN)
-    geometry = build_worker_geometry(model, tp, rank, block_size, kernel_block_size, num_blocks, bases)
+    geometry = build_worker_geometry(model, tp, rank, block_size, kernel_block_size, num_blocks, bases,
+                                     page_order=page_order)
     mem = sim.WorkerMemory(geometry, start, data, np.zeros(1, dtype=np.int32))
     mem.owner = raw  # type: ignore[attr-defined]  # keep the allocation alive
     return mem
