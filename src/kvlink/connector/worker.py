@@ -82,7 +82,7 @@ class NixlWorker(ConnectorWorker):
         geometry = build_worker_geometry(
             self.model, self.tp_size, self.tp_rank, self.block_size, self.kernel_block_size,
             self.num_blocks, base_addrs,
-            **({} if self.page_order == "token_major" else {"page_order": self.page_order}))
+            page_order=self.page_order)
         for region, n in zip(geometry.regions, nbytes, strict=True):
             if region.page_stride * region.num_pages != n:
                 raise ValueError(f"layer {region.layer}: tensor has {n} bytes, layout expects "

@@ -82,8 +82,8 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
         cache = vllm_config.cache_config
         model_config = vllm_config.model_config
         parallel = vllm_config.parallel_config
-        if cache.kv_cache_dtype not in ("auto", None):
-            raise UnsupportedVllmLayout(f"kvlink: kv_cache_dtype {cache.kv_cache_dtype!r} is not supported; use 'auto'")
+        if cache.cache_dtype not in ("auto", None):
+            raise UnsupportedVllmLayout(f"kvlink: kv_cache_dtype {cache.cache_dtype!r} is not supported; use 'auto'")
         spec = _attention_spec(kv_cache_config)
         dtype = TORCH_DTYPES.get(str(spec.dtype), str(spec.dtype))
         self._spec = spec
