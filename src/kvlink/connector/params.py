@@ -116,10 +116,11 @@ def sign(params: dict[str, Any], secret: bytes) -> str:
     return hmac.new(secret, _SIGNATURE_DOMAIN + body.encode(), hashlib.sha256).hexdigest()
 
 
-def check_integrity(parsed: RemotePrefillParams, prompt_token_ids: Sequence[int],
+def check_integrity(parsed: RemotePrefillParams, prompt_token_ids: Sequence[int] | None,
                     secret: bytes | None, now_s: float) -> None:
     """Refuse params P did not sign with `secret` (None: the operator opted out of signing),
-    params whose lease ended before `now_s` (Unix time), and params made for another prompt."""
+    params whose lease ended before `now_s` (Unix time), and params made for another prompt
+    (not checked when `prompt_token_ids` is None: a request that will never run)."""
     if secret is not None:
         if parsed.kv_signature is None:
             raise ForbiddenTransferParams(
@@ -141,7 +142,8 @@ def check_integrity(parsed: RemotePrefillParams, prompt_token_ids: Sequence[int]
             f"{parsed.kv_expires_at_ms}): the prefill instance's lease on these blocks is over and "
             "they may hold another request's KV now; send the request through the prefill "
             "instance again (and check that P's and D's clocks agree)")
-    if parsed.prompt_hash is not None and parsed.prompt_hash != prompt_hash(prompt_token_ids):
+    if (prompt_token_ids is not None and parsed.prompt_hash is not None
+            and parsed.prompt_hash != prompt_hash(prompt_token_ids)):
         raise InvalidTransferParams(
             "kv_transfer_params were made by the prefill instance for another prompt "
             "(prompt_hash differs); send each request's own params with the same prompt")
@@ -154,7 +156,16 @@ def wants_remote_decode(params: dict[str, Any] | None) -> bool:
     flag = params.get("do_remote_decode", False)
     if not isinstance(flag, bool):
         raise InvalidTransferParams("kv_transfer_params.do_remote_decode must be a boolean")
+    requested_mode(params)
     return flag
+
+
+def requested_mode(params: dict[str, Any] | None) -> str | None:
+    """P side: the transfer mode a router asked for this request ("pull" or "push"), if any."""
+    mode = (params or {}).get("transfer_mode")
+    if mode is not None and mode not in ("pull", "push"):
+        raise InvalidTransferParams(f"kv_transfer_params.transfer_mode must be 'pull' or 'push', got {mode!r}")
+    return mode
 
 
 def wants_remote_prefill(params: dict[str, Any] | None) -> bool:

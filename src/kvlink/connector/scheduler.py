@@ -21,6 +21,7 @@ from kvlink.connector.params import (
     check_integrity,
     parse_remote_prefill,
     prompt_hash,
+    requested_mode,
     sign,
     wants_remote_decode,
     wants_remote_prefill,
@@ -82,6 +83,17 @@ class NixlScheduler(ConnectorScheduler):
                             request.request_id, stale)
                 return
             self._remote[request.request_id] = _RemoteRequest(params)
+
+    def release_unadmitted(self, request: RequestView) -> None:
+        """D: `request` will never run (the engine refused it before admission) but carries
+        P's params: if P signed them, tell P to free those blocks now, not at lease expiry.
+        Its prompt is not checked (the engine may not have kept it)."""
+        if not wants_remote_prefill(request.kv_transfer_params):
+            return
+        assert request.kv_transfer_params is not None
+        params = parse_remote_prefill(request.kv_transfer_params)
+        check_integrity(params, None, self._secret, self._wall_clock())
+        self._step.notify_only.append(self._entry(request.request_id, params))
 
     def get_num_new_matched_tokens(
         self, request: RequestView, num_computed_tokens: int
@@ -178,7 +190,8 @@ class NixlScheduler(ConnectorScheduler):
             "remote_port": self.config.side_channel_port,
             "tp_size": self.tp_size,
             "remote_num_tokens": max(0, len(request.prompt_token_ids) - 1),
-            "transfer_mode": self.config.transfer_mode,
+            # A router may pick the mode per request; the engine's setting is the default.
+            "transfer_mode": requested_mode(request.kv_transfer_params) or self.config.transfer_mode,
             "prompt_hash": prompt_hash(request.prompt_token_ids),
             # P's lease starts with the worker's next step, so it ends a little after this.
             "kv_expires_at_ms": int((self._wall_clock() + self.config.lease_s) * 1000),

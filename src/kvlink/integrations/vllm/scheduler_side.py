@@ -34,6 +34,14 @@ class SchedulerSide:
         self._refused_loads: list[dict[str, Any]] = []
 
     def on_new_request(self, request: Any) -> None:
+        if getattr(request, "abort_immediately", False):
+            # vLLM refused the request before admission (or its load failed) and hands its
+            # params over so that P's blocks are freed now.
+            try:
+                self.core.release_unadmitted(view(request))
+            except Exception as exc:  # noqa: BLE001
+                log.warning("request %s: not releasing P's blocks early: %s", request.request_id, exc)
+            return
         try:
             self.core.on_new_request(view(request))
         except Exception as exc:  # noqa: BLE001 - anything raised here would stop the engine core

@@ -1,0 +1,94 @@
+"""The vLLM extra config → ConnectorConfig mapping, and the checks on vLLM's tensors (no engine)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvlink.integrations.vllm.layout import (
+    LayerTensor,
+    UnsupportedVllmLayout,
+    check_layer_tensors,
+    layer_index,
+    order_layers,
+    page_order_for,
+)
+from kvlink.integrations.vllm.options import BadExtraConfig, connector_config, known_keys
+
+SECRET = "s" * 40
+
+
+def test_fields_map_by_connector_config_names() -> None:
+    cfg = connector_config({"side_channel_host": "127.0.0.2", "side_channel_port": 6000, "lease_s": 12,
+                            "stall_timeout_s": 3, "transfer_mode": "push", "secret": SECRET},
+                           engine_id="e1", load_failure_policy="recompute")
+    assert (cfg.engine_id, cfg.side_channel_host, cfg.side_channel_port) == ("e1", "127.0.0.2", 6000)
+    assert (cfg.lease_s, cfg.stall_timeout_s, cfg.transfer_mode) == (12.0, 3.0, "push")
+    assert cfg.load_failure_policy == "recompute" and cfg.secret == SECRET.encode()
+
+
+def test_unknown_keys_are_refused_with_the_known_ones() -> None:
+    with pytest.raises(BadExtraConfig) as err:
+        connector_config({"side_chanel_port": 1}, engine_id="e", load_failure_policy="fail")
+    message = str(err.value)
+    assert "side_chanel_port" in message
+    for key in ("side_channel_port", "lease_s", "stall_timeout_s", "transfer_mode", "secret"):
+        assert key in message and key in known_keys()
+    assert "engine_id" not in known_keys()  # vLLM's own engine id is used
+
+
+@pytest.mark.parametrize("extra", [
+    {"lease_s": -1}, {"lease_s": 10**9}, {"side_channel_port": 70000}, {"side_channel_port": 0},
+    {"transfer_mode": "sideways"}, {"secret": ""}, {"secret": 5}, {"lease_s": "long"},
+])
+def test_bad_values_are_refused(extra: dict[str, object]) -> None:
+    with pytest.raises(BadExtraConfig, match="kvlink"):
+        connector_config(extra, engine_id="e", load_failure_policy="fail")
+
+
+def test_secret_file(tmp_path: Path) -> None:
+    path = tmp_path / "secret"
+    path.write_text(SECRET + "\n")
+    cfg = connector_config({"secret_file": str(path)}, engine_id="e", load_failure_policy="fail")
+    assert cfg.secret == SECRET.encode()
+    with pytest.raises(BadExtraConfig, match="not both"):
+        connector_config({"secret_file": str(path), "secret": SECRET}, engine_id="e", load_failure_policy="fail")
+    with pytest.raises(BadExtraConfig, match="cannot read"):
+        connector_config({"secret_file": str(tmp_path / "missing")}, engine_id="e", load_failure_policy="fail")
+
+
+def _tensor(name: str, ptr: int, shape: tuple[int, ...] = (10, 3, 32, 128), dtype: str = "float32") -> LayerTensor:
+    strides = (shape[1] * shape[2] * shape[3], shape[2] * shape[3], shape[3], 1)
+    return LayerTensor(name, ptr, shape, strides, 4 if dtype == "float32" else 2, dtype)
+
+
+def test_layers_are_ordered_by_index_and_shared_kv_is_registered_once() -> None:
+    names = ["model.layers.10.self_attn.attn", "model.layers.2.self_attn.attn", "model.layers.3.self_attn.attn"]
+    tensors = [_tensor(n, 1000 * layer_index(n)) for n in names]
+    tensors.append(_tensor("model.layers.11.self_attn.attn", 10000))  # shares layer 10's memory
+    ordered = order_layers(tensors)
+    assert [t.name for t in ordered] == [names[1], names[2], names[0]]
+    bases, sizes, blocks = check_layer_tensors(ordered, num_kv_heads=3, block_size=32, head_dim=64, dtype="float32")
+    assert bases == [2000, 3000, 10000] and blocks == 10 and sizes == [10 * 3 * 32 * 128 * 4] * 3
+
+
+@pytest.mark.parametrize("tensor, what", [
+    (_tensor("model.layers.0.a", 0, (10, 3, 64, 128)), "expected"),
+    (_tensor("model.layers.0.a", 0, dtype="bfloat16"), "dtype"),
+    (LayerTensor("model.layers.0.a", 0, (10, 3, 32, 128), (1, 1, 1, 1), 4, "float32"), "contiguous"),
+    (LayerTensor("model.layers.0.a", 0, (10, 3, 32), (96, 32, 1), 4, "float32"), "expected"),
+])
+def test_views_kvlink_would_misread_are_refused(tensor: LayerTensor, what: str) -> None:
+    with pytest.raises(UnsupportedVllmLayout, match=what) as err:
+        check_layer_tensors([tensor], num_kv_heads=3, block_size=32, head_dim=64, dtype="float32")
+    assert "shape" in str(err.value)  # says what was seen
+
+
+def test_unknown_isa_is_refused_naming_it() -> None:
+    assert page_order_for("vec", "float32", 128, 64) == "vllm_cpu_vec"
+    assert page_order_for("amx", "bfloat16", 128, 64) == "vllm_cpu_amx"
+    with pytest.raises(UnsupportedVllmLayout, match="'neon'"):
+        page_order_for("neon", "float32", 128, 64)
+    with pytest.raises(UnsupportedVllmLayout, match="layer index"):
+        layer_index("lm_head")
