@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("kvlink.cli.plan_cmd", "show the transfer plan between a P and a D configuration"),
     "serve": ("kvlink.cli.serve_cmd", "run an OpenAI-compatible prefill, decode or colocated instance"),
     "proxy": ("kvlink.cli.proxy_cmd", "route requests to prefill then decode instances"),
+    "vllm-models": ("kvlink.cli.vllm_models_cmd", "build the HF model dirs served by vLLM in tests and benches"),
 }
 
 # `kvlink bench <name>`: one module per benchmark.

