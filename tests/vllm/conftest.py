@@ -31,7 +31,7 @@ from kvlink.integrations.vllm.models import smollm2_hf_dir
 
 HTTP_PORTS = range(18300, 18400)
 SIDE_CHANNEL_PORTS = range(5800, 5900)
-MAX_SERVERS = 2  # at most two vLLM servers at once on a 2-core machine
+MAX_SERVERS = 4  # ~3.5 GiB each (API server, engine core, worker with 1 GiB of KV)
 READY_TIMEOUT_S = float(os.environ.get("KVLINK_VLLM_READY_TIMEOUT", "300"))
 
 
@@ -101,7 +101,7 @@ def smollm2_reference(smollm2_dir: Path) -> tuple[Any, Any]:
 def smollm2_server(vllm_servers: VllmServers, smollm2_dir: Path) -> Iterator[Service]:
     """One colocated SmolLM2 server (fp32, block 128, no connector) on core 0."""
     spec = VllmServerSpec(model=smollm2_dir, port=vllm_servers.http_port(), block_size=128,
-                          cores="0", name="smollm2-colocated")
+                          cores="0", enforce_eager=True, name="smollm2-colocated")
     (service,) = vllm_servers.start(spec)
     yield service
     vllm_servers.stop(service)

@@ -21,8 +21,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 
 from kvlink.connector.api import StepMetadata
-from kvlink.integrations.vllm.layout import SUPPORTED_LAYOUT, UnsupportedVllmLayout, attention_model_spec
-from kvlink.integrations.vllm.options import connector_config
+from kvlink.integrations.vllm.layout import (
+    SUPPORTED_LAYOUT,
+    UnsupportedVllmLayout,
+    attention_model_spec,
+)
+from kvlink.integrations.vllm.options import connector_config, metrics_port
 from kvlink.integrations.vllm.scheduler_side import SchedulerSide
 from kvlink.integrations.vllm.stats import KvlinkPromMetrics, KvlinkStats
 from kvlink.integrations.vllm.worker_side import TORCH_DTYPES, WorkerSide
@@ -110,7 +114,8 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
                 self.config, model_name=_model_name(vllm_config),
                 tp_size=get_tensor_model_parallel_world_size(), tp_rank=get_tensor_model_parallel_rank(),
                 num_kv_heads_total=model_config.get_total_num_kv_heads(), head_dim=spec.head_size,
-                block_size=spec.block_size, dtype=dtype, isa=isa)
+                block_size=spec.block_size, dtype=dtype, isa=isa,
+                metrics_port=metrics_port(transfer.kv_connector_extra_config))
 
     # ---- class-level hooks --------------------------------------------------------------
     @classmethod

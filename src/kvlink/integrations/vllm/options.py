@@ -15,8 +15,18 @@ from kvlink.connector.secret import load_secret
 # Set by the integration from vLLM's own config, never from the extra config.
 _FROM_VLLM = ("engine_id", "load_failure_policy")
 # Extra keys that are not ConnectorConfig fields.
-EXTRA_KEYS = ("secret_file",)
+EXTRA_KEYS = ("secret_file", "metrics_port")
 DEFAULT_SIDE_CHANNEL_PORT = 5700
+
+
+def metrics_port(extra: Mapping[str, Any] | None) -> int | None:
+    """Base port of kvlink's own per-worker metrics endpoint (rank r: port + r); None: off."""
+    port = (extra or {}).get("metrics_port")
+    if port is None:
+        return None
+    if type(port) is not int or not 1 <= port <= 65535:
+        raise BadExtraConfig(f"kvlink: metrics_port must be a port number, got {port!r}")
+    return port
 
 
 def known_keys() -> tuple[str, ...]:
@@ -38,7 +48,9 @@ def connector_config(
     text in JSON; `secret_file` reads it from a file; neither: `$KVLINK_SECRET`.
     """
     values = dict(extra or {})
+    values.pop("metrics_port", None)  # see metrics_port()
     unknown = sorted(set(values) - set(known_keys()))
+    metrics_port(extra)
     if unknown:
         raise BadExtraConfig(
             f"kvlink: unknown kv_connector_extra_config keys {unknown}; known keys: "

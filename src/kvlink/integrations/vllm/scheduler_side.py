@@ -39,12 +39,12 @@ class SchedulerSide:
             # params over so that P's blocks are freed now.
             try:
                 self.core.release_unadmitted(view(request))
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 log.warning("request %s: not releasing P's blocks early: %s", request.request_id, exc)
             return
         try:
             self.core.on_new_request(view(request))
-        except Exception as exc:  # noqa: BLE001 - anything raised here would stop the engine core
+        except Exception as exc:
             if self.config.load_failure_policy == "recompute" or not _wants_remote_prefill(request):
                 log.warning("request %s: ignoring its kv_transfer_params (%s); computing it here",
                             request.request_id, exc)
@@ -98,7 +98,7 @@ class SchedulerSide:
         aborted = request.status.name not in KEEP_STATUSES
         try:
             return self.core.request_finished(view(request), [list(ids) for ids in block_ids], aborted)
-        except Exception as exc:  # noqa: BLE001 - never stop the engine core on one request
+        except Exception as exc:
             log.warning("request %s: not offering its KV to a decode instance: %s", request.request_id, exc)
             return False, None
 

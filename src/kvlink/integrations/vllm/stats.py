@@ -7,7 +7,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 # Per-transfer series, and the kvlink counters forwarded as vLLM counters.

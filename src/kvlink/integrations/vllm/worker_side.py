@@ -17,6 +17,7 @@ from kvlink.integrations.vllm.layout import (
     page_order_for,
 )
 from kvlink.integrations.vllm.stats import from_worker_snapshot
+from kvlink.integrations.vllm.worker_metrics import WorkerMetrics
 
 log = logging.getLogger("kvlink.vllm")
 
@@ -25,7 +26,8 @@ TORCH_DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch
 
 class WorkerSide:
     def __init__(self, config: ConnectorConfig, *, model_name: str, tp_size: int, tp_rank: int,
-                 num_kv_heads_total: int, head_dim: int, block_size: int, dtype: str, isa: str) -> None:
+                 num_kv_heads_total: int, head_dim: int, block_size: int, dtype: str, isa: str,
+                 metrics_port: int | None = None) -> None:
         self.config = config
         self.model_name = model_name
         self.tp_size, self.tp_rank = tp_size, tp_rank
@@ -33,6 +35,8 @@ class WorkerSide:
         self.block_size, self.dtype, self.isa = block_size, dtype, isa
         self.core: NixlWorker | None = None
         self._counters: dict[str, int] = {}
+        self._metrics_port = metrics_port
+        self.metrics: WorkerMetrics | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, Any], local_kv_heads: int) -> None:
         tensors = [
@@ -51,6 +55,10 @@ class WorkerSide:
                           num_blocks, page_order=order)
         core.register_kv_caches(bases, sizes)
         self.core = core
+        if self._metrics_port is not None:
+            self.metrics = WorkerMetrics(self.config.side_channel_host, self._metrics_port + self.tp_rank,
+                                         self.debug_state, f'engine_id="{self.config.engine_id}",rank="{self.tp_rank}"')
+            log.info("kvlink worker metrics on http://%s:%d/metrics", self.config.side_channel_host, self.metrics.port)
         log.info("kvlink in vLLM: rank %d/%d registered %d layers x %d blocks of %d tokens (%s, page order "
                  "%s), side channel %s:%d", self.tp_rank, self.tp_size, len(layers), num_blocks,
                  self.block_size, self.dtype, order, self.config.side_channel_host, core.side_channel_port)
@@ -81,7 +89,10 @@ class WorkerSide:
     def stats_payload(self) -> dict[str, Any] | None:
         if self.core is None:
             return None
-        data = from_worker_snapshot(self.core.get_stats(), self._counters)
+        snapshot = self.core.get_stats()
+        if self.metrics is not None:
+            self.metrics.update(snapshot)
+        data = from_worker_snapshot(snapshot, self._counters)
         if not data["xfer_s"] and not data["counters"]:
             return None
         return data
@@ -90,6 +101,9 @@ class WorkerSide:
         return self.core.debug_state() if self.core is not None else {}
 
     def shutdown(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
         if self.core is not None:
             self.core.shutdown()
             self.core = None

@@ -1,0 +1,322 @@
+"""kvlink inside vLLM, real processes: vLLM P → vLLM D equals vLLM colocated, token for token.
+
+Three kvlink servers share the module (all `kv_both`, SmolLM2-135M fp32):
+  A: block 128, core 0          B: block 128, core 1, policy fail
+  C: block 32,  core 1, policy recompute
+A→B is the same block size, C→B is 32 → 128 and A→C is 128 → 32 (the two cases vLLM's
+NixlConnector corrupts or refuses). Pull and push modes, D prefix hits (bytes from the
+connector's own stats on D's /metrics), kvlink's proxy and vllm-router in front. The fault
+tests come last: they freeze and kill servers.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import psutil
+import pytest
+
+from kvlink.bench.routers import router_argv, vllm_router_executable
+from kvlink.connector.secret import new_secret
+from kvlink.integrations.vllm.launch import VllmServerSpec, kvlink_transfer_config, served_model
+from kvlink.procs.launcher import Service, free_port, start_process, stop_all, wait_healthy
+
+if TYPE_CHECKING:
+    from tests.vllm.conftest import VllmServers
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 24
+LEASE_S = 8.0
+STALL_S = 4.0
+SENTENCE = "The quick brown fox number {} jumps over the lazy dog near the river bank."
+# 9, ~150, ~300 and ~600 tokens: inside one block, past one block of 128, past several.
+PROMPTS = [
+    "The last keeper of the lighthouse was",
+    " ".join(SENTENCE.format(i) for i in range(9)),
+    " ".join(SENTENCE.format(i) for i in range(18)),
+    "Once upon a time, " + " ".join(SENTENCE.format(i) for i in range(36)),
+]
+PAGE_BYTES_PER_TOKEN = 30 * 3 * 2 * 64 * 4  # SmolLM2: 30 layers, 3 KV heads, K and V of 64, fp32
+
+
+class PD:
+    """The module's servers and how to drive them."""
+
+    def __init__(self, a: Service, b: Service, c: Service, ports: dict[str, int], model: str) -> None:
+        self.a, self.b, self.c = a, b, c
+        self.metrics_ports = ports
+        self.model = model
+
+    def prefill(self, p: Service, prompt: str, mode: str | None = None) -> dict[str, Any]:
+        kv: dict[str, Any] = {"do_remote_decode": True}
+        if mode is not None:
+            kv["transfer_mode"] = mode
+        resp = httpx.post(p.url + "/v1/completions", timeout=60, json={
+            "model": self.model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": False,
+            "kv_transfer_params": kv})
+        resp.raise_for_status()
+        params: dict[str, Any] = resp.json()["kv_transfer_params"]
+        return params
+
+    def decode(self, d: Service, prompt: str, params: dict[str, Any], timeout_s: float = 60) -> httpx.Response:
+        return httpx.post(d.url + "/v1/completions", timeout=timeout_s, json={
+            "model": self.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "kv_transfer_params": params})
+
+    def run(self, p: Service, d: Service, prompt: str, mode: str | None = None) -> tuple[str, float]:
+        """Text D answers after P prefilled, and the KV bytes D's connector reported loading."""
+        before = vllm_metric(d, "vllm:kvlink_bytes_transferred_sum")
+        count = vllm_metric(d, "vllm:kvlink_bytes_transferred_count")
+        resp = self.decode(d, prompt, self.prefill(p, prompt, mode))
+        assert resp.status_code == 200, resp.text
+        deadline = time.monotonic() + 5  # stats reach the API server with the next engine step
+        while vllm_metric(d, "vllm:kvlink_bytes_transferred_count") == count and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return str(resp.json()["choices"][0]["text"]), vllm_metric(d, "vllm:kvlink_bytes_transferred_sum") - before
+
+    def kvlink_state(self, name: str) -> dict[str, Any]:
+        state: dict[str, Any] = httpx.get(f"http://127.0.0.1:{self.metrics_ports[name]}/debug/state",
+                                          timeout=5).json()
+        return state
+
+
+def vllm_metric(server: Service, name: str) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def wait_idle(pd: PD, server: Service, name: str, within_s: float) -> float:
+    """Seconds until vLLM's KV usage on `server` is 0 and kvlink holds nothing there."""
+    started = time.monotonic()
+    while True:
+        usage = vllm_metric(server, "vllm:kv_cache_usage_perc")
+        state = pd.kvlink_state(name)
+        held = {k: state[k] for k in ("leases", "loads_in_flight", "open_transfers", "waiting_for_handshake")}
+        if usage == 0 and not any(held.values()):
+            return time.monotonic() - started
+        if time.monotonic() - started > within_s:
+            raise AssertionError(f"{name}: KV usage {usage}, kvlink holds {held} after {within_s:.0f}s")
+        time.sleep(0.25)
+
+
+def workers_of(server: Service) -> list[psutil.Process]:
+    return [p for p in psutil.Process(server.proc.pid).children(recursive=True) if "Worker" in p.name()]
+
+
+def reference_prompts() -> list[str]:
+    """Every prompt whose answer a test compares with colocated vLLM (tags first: no shared prefixes)."""
+    tags = ["128->128", "32->128", "128->32", "push 128->128", "push 32->128"]
+    prompts = [f"({tag}) {p}" for tag in tags for p in PROMPTS]
+    prompts += [f"(via {kind}) {PROMPTS[i]}" for kind in ("kvlink", "vllm-router") for i in (0, 2)]
+    prompts += ["(prefix) " + PROMPTS[3], "(frozen, recompute) " + PROMPTS[2], "(killed, recompute) " + PROMPTS[1]]
+    return prompts
+
+
+class Colocated:
+    """Greedy answers of vLLM colocated (same vLLM, no connector, block 128), all asked up front
+    so that the colocated server can stop before the P/D servers start (memory)."""
+
+    def __init__(self, server: Service) -> None:
+        model = served_model(server.url)
+        self.answers: dict[str, str] = {}
+        for prompt in reference_prompts():
+            resp = httpx.post(server.url + "/v1/completions", timeout=60, json={
+                "model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True})
+            resp.raise_for_status()
+            self.answers[prompt] = str(resp.json()["choices"][0]["text"])
+
+    def __call__(self, prompt: str) -> str:
+        return self.answers[prompt]
+
+
+@pytest.fixture(scope="module")
+def colocated(vllm_servers: VllmServers, smollm2_server: Service) -> Colocated:
+    answers = Colocated(smollm2_server)
+    vllm_servers.stop(smollm2_server)
+    return answers
+
+
+def test_unknown_extra_config_key_refuses_to_start(vllm_servers: VllmServers, smollm2_dir: Path) -> None:
+    config = kvlink_transfer_config(vllm_servers.side_channel_port(), lease_second=5)
+    spec = VllmServerSpec(model=smollm2_dir, port=vllm_servers.http_port(), cores="1", kv_transfer_config=config,
+                          env={"KVLINK_SECRET": new_secret()}, name="kvlink-bad-config")
+    with pytest.raises(RuntimeError):
+        vllm_servers.start(spec, timeout_s=240)
+    log = (vllm_servers.log_dir / "kvlink-bad-config.log").read_text(errors="replace")
+    assert "unknown kv_connector_extra_config keys ['lease_second']" in log
+    assert "known keys:" in log and "lease_s" in log
+
+
+@pytest.fixture(scope="module")
+def pd(vllm_servers: VllmServers, smollm2_dir: Path, colocated: Colocated) -> Iterator[PD]:
+    secret = new_secret()
+    ports = {name: vllm_servers.side_channel_port() + 40 for name in "abc"}
+
+    def spec(name: str, block: int, cores: str, policy: str) -> VllmServerSpec:
+        config = kvlink_transfer_config(vllm_servers.side_channel_port(), lease_s=LEASE_S,
+                                        stall_timeout_s=STALL_S, handshake_timeout_s=3.0,
+                                        metrics_port=ports[name])
+        config["kv_load_failure_policy"] = policy
+        return VllmServerSpec(model=smollm2_dir, port=vllm_servers.http_port(), block_size=block, cores=cores,
+                              enforce_eager=True,
+                              kv_transfer_config=config, env={"KVLINK_SECRET": secret}, name=f"kvlink-{name}")
+
+    a, b, c = vllm_servers.start(spec("a", 128, "0", "fail"), spec("b", 128, "1", "fail"),
+                                 spec("c", 32, "1", "recompute"))
+    yield PD(a, b, c, ports, served_model(a.url))
+    vllm_servers.stop(a, b, c)
+
+
+def shipped_bytes(pd: PD, prompt: str, p_block: int, d_block: int) -> int:
+    """KV bytes D loads for a fresh prompt: whole D blocks (equal sizes) or chunks of the smaller."""
+    tokens = len(httpx.post(pd.b.url + "/tokenize", json={"model": pd.model, "prompt": prompt}, timeout=10)
+                 .json()["tokens"])
+    unit = d_block if p_block == d_block else min(p_block, d_block)
+    return -(-(tokens - 1) // unit) * unit * PAGE_BYTES_PER_TOKEN  # D recomputes the last token
+
+
+@pytest.mark.parametrize("index", range(len(PROMPTS)))
+def test_same_block_size_equals_colocated(pd: PD, colocated: Colocated, index: int) -> None:
+    prompt = "(128->128) " + PROMPTS[index]
+    text, nbytes = pd.run(pd.a, pd.b, prompt)
+    assert text == colocated(prompt)
+    assert nbytes == shipped_bytes(pd, prompt, 128, 128)
+
+
+@pytest.mark.parametrize("direction", ["32->128", "128->32"])
+@pytest.mark.parametrize("index", range(len(PROMPTS)))
+def test_different_block_sizes_equal_colocated(pd: PD, colocated: Colocated, direction: str, index: int) -> None:
+    p, d, sizes = (pd.c, pd.b, (32, 128)) if direction == "32->128" else (pd.a, pd.c, (128, 32))
+    prompt = f"({direction}) " + PROMPTS[index]
+    text, nbytes = pd.run(p, d, prompt)
+    assert text == colocated(prompt)
+    assert nbytes == shipped_bytes(pd, prompt, *sizes)
+
+
+@pytest.mark.parametrize("pair", ["128->128", "32->128"])
+@pytest.mark.parametrize("index", range(len(PROMPTS)))
+def test_push_mode_equals_colocated(pd: PD, colocated: Colocated, pair: str, index: int) -> None:
+    p = pd.a if pair == "128->128" else pd.c
+    prompt = f"(push {pair}) " + PROMPTS[index]
+    assert pd.run(p, pd.b, prompt, mode="push")[0] == colocated(prompt)
+
+
+def test_d_prefix_hit_moves_only_the_tail(pd: PD, colocated: Colocated) -> None:
+    prompt = "(prefix) " + PROMPTS[3]
+    first_text, first_bytes = pd.run(pd.a, pd.b, prompt)
+    second_text, second_bytes = pd.run(pd.a, pd.b, prompt)
+    assert second_text == first_text == colocated(prompt)
+    tokens = len(httpx.post(pd.b.url + "/tokenize", json={"model": pd.model, "prompt": prompt}, timeout=10)
+                 .json()["tokens"])
+    shipped = tokens - 1  # D recomputes the last prompt token
+    # Same block size: whole blocks move; D's second time hits every full block of the prompt.
+    assert first_bytes == -(-shipped // 128) * 128 * PAGE_BYTES_PER_TOKEN
+    hit_blocks = (tokens - 1) // 128
+    assert second_bytes == (-(-shipped // 128) - hit_blocks) * 128 * PAGE_BYTES_PER_TOKEN
+    assert second_bytes < first_bytes
+
+
+@pytest.mark.parametrize("kind", ["kvlink", "vllm-router"])
+def test_behind_a_router(pd: PD, colocated: Colocated, kind: str, tmp_path: Path) -> None:
+    if kind == "vllm-router":
+        assert vllm_router_executable() is not None, "vllm-router is a dev dependency"
+    port = free_port()
+    router = start_process(f"router-{kind}", router_argv(kind, [pd.a.url], [pd.b.url], port, 60.0,
+                                                        metrics_port=free_port()),
+                           f"http://127.0.0.1:{port}", tmp_path)
+    try:
+        wait_healthy([router], 60)
+        for index in (0, 2):
+            prompt = f"(via {kind}) " + PROMPTS[index]
+            before = vllm_metric(pd.b, "vllm:kvlink_bytes_transferred_count")
+            resp = httpx.post(router.url + "/v1/completions", timeout=60, json={
+                "model": pd.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True})
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["choices"][0]["text"] == colocated(prompt), router.log_tail()
+            deadline = time.monotonic() + 5
+            while vllm_metric(pd.b, "vllm:kvlink_bytes_transferred_count") == before:
+                assert time.monotonic() < deadline, "D loaded nothing: the router did not go through P"
+                time.sleep(0.1)
+    finally:
+        stop_all([router])
+
+
+def test_kv_transfer_metrics_line_and_worker_counters(pd: PD) -> None:
+    pd.run(pd.a, pd.b, "(metrics) " + PROMPTS[1])
+    log = pd.b.log_path.read_text(errors="replace")
+    deadline = time.monotonic() + 15  # vLLM logs its stats every 10 s
+    while "KV Transfer metrics: Num successful transfers=" not in log and time.monotonic() < deadline:
+        time.sleep(0.5)
+        log = pd.b.log_path.read_text(errors="replace")
+    assert "KV Transfer metrics: Num successful transfers=" in log
+    assert "kvlink load " in log  # one line per request with its transfer figures
+    text = httpx.get(f"http://127.0.0.1:{pd.metrics_ports['b']}/metrics", timeout=5).text
+    assert "kvlink_transfers_total" in text and "kvlink_loads_in_flight" in text
+
+
+# ---- faults (last: they freeze and kill servers) ------------------------------------------
+def test_p_frozen_after_prefill(pd: PD, colocated: Colocated) -> None:
+    prompt, other = "(frozen) " + PROMPTS[2], "(frozen, recompute) " + PROMPTS[2]
+    for_b, for_c = pd.prefill(pd.a, prompt), pd.prefill(pd.a, other)
+    frozen = workers_of(pd.a)
+    for proc in frozen:
+        proc.send_signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        failed = pd.decode(pd.b, prompt, for_b)  # policy fail: an error, within the stall deadline
+        fail_s = time.monotonic() - started
+        started = time.monotonic()
+        recomputed = pd.decode(pd.c, other, for_c)  # policy recompute: the right text
+        recompute_s = time.monotonic() - started
+    finally:
+        for proc in frozen:
+            proc.send_signal(signal.SIGCONT)
+    assert failed.status_code >= 500 and fail_s < STALL_S + 5, (failed.status_code, fail_s)
+    assert recomputed.status_code == 200 and recompute_s < STALL_S + 10
+    assert recomputed.json()["choices"][0]["text"] == colocated(other)
+    for server, name in ((pd.a, "a"), (pd.b, "b"), (pd.c, "c")):
+        wait_idle(pd, server, name, within_s=LEASE_S + 10)
+
+
+def test_client_leaving_d_mid_load_frees_p_at_once(pd: PD) -> None:
+    prompt = "(client leaves) " + PROMPTS[3]
+    params = pd.prefill(pd.a, prompt)
+    with pytest.raises(httpx.TimeoutException):
+        pd.decode(pd.b, prompt, params, timeout_s=0.05)
+    assert wait_idle(pd, pd.a, "a", within_s=LEASE_S - 3) < LEASE_S - 3  # well before the lease ends
+    wait_idle(pd, pd.b, "b", within_s=10)
+
+
+def test_p_killed_after_prefill(pd: PD, colocated: Colocated) -> None:
+    prompt, other = "(killed) " + PROMPTS[1], "(killed, recompute) " + PROMPTS[1]
+    for_b, for_c = pd.prefill(pd.a, prompt), pd.prefill(pd.a, other)
+    expected = colocated(other)
+    os.killpg(pd.a.proc.pid, signal.SIGKILL)
+    pd.a.proc.wait(timeout=30)
+    started = time.monotonic()
+    failed = pd.decode(pd.b, prompt, for_b)
+    assert failed.status_code >= 500 and time.monotonic() - started < STALL_S + 5
+    started = time.monotonic()
+    recomputed = pd.decode(pd.c, other, for_c)
+    assert recomputed.status_code == 200 and time.monotonic() - started < STALL_S + 10
+    assert recomputed.json()["choices"][0]["text"] == expected
+    wait_idle(pd, pd.b, "b", within_s=10)
+    wait_idle(pd, pd.c, "c", within_s=10)
+
+
+def test_d_killed_while_p_holds_blocks(pd: PD) -> None:
+    pd.prefill(pd.c, "(d killed) " + PROMPTS[3])  # C is P now; B, the D it was meant for, dies before reading
+    os.killpg(pd.b.proc.pid, signal.SIGKILL)
+    pd.b.proc.wait(timeout=30)
+    assert vllm_metric(pd.c, "vllm:kv_cache_usage_perc") > 0
+    freed_after = wait_idle(pd, pd.c, "c", within_s=LEASE_S + 10)
+    assert freed_after > LEASE_S - 3  # held for the lease, then freed
