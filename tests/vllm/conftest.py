@@ -72,7 +72,10 @@ class VllmServers:
 
 @pytest.fixture(scope="session")
 def vllm_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServers]:
-    servers = VllmServers(tmp_path_factory.mktemp("vllm-logs"))
+    keep = os.environ.get("KVLINK_TEST_LOGS")  # a dir that outlives pytest's tmp rotation
+    log_dir = Path(keep) / "vllm" if keep else tmp_path_factory.mktemp("vllm-logs")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    servers = VllmServers(log_dir)
     try:
         yield servers
     finally:

@@ -36,12 +36,13 @@ MAX_TOKENS = 24
 LEASE_S = 8.0
 STALL_S = 4.0
 SENTENCE = "The quick brown fox number {} jumps over the lazy dog near the river bank."
-# 9, ~150, ~300 and ~600 tokens: inside one block, past one block of 128, past several.
+# 9, ~150, ~300 and ~600 tokens: inside one block, past one block of 128, past several. No
+# prompt starts with another's first block, so D's prefix cache never hits across tests.
 PROMPTS = [
     "The last keeper of the lighthouse was",
     " ".join(SENTENCE.format(i) for i in range(9)),
-    " ".join(SENTENCE.format(i) for i in range(18)),
-    "Once upon a time, " + " ".join(SENTENCE.format(i) for i in range(36)),
+    " ".join(SENTENCE.format(i) for i in range(100, 118)),
+    "Once upon a time, " + " ".join(SENTENCE.format(i) for i in range(200, 236)),
 ]
 PAGE_BYTES_PER_TOKEN = 30 * 3 * 2 * 64 * 4  # SmolLM2: 30 layers, 3 KV heads, K and V of 64, fp32
 
