@@ -92,6 +92,7 @@ class VllmBenchConfig:
     max_model_len: int = 2048
     reference_tokens: int = 32
     cores: tuple[int, int] = (0, 1)
+    enforce_eager: bool = False
     log_dir: Path = Path("bench-results/vllm/logs")
 
     def cases(self) -> list[Case]:
@@ -255,7 +256,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     out.append(f"vLLM {report.get('vllm_version', '?')}, model {Path(str(cfg.get('model_dir', '?'))).name}, "
                f"{cfg.get('num_prompts')} prompts of {cfg.get('input_len')} tokens in / "
                f"{cfg.get('output_len')} out, concurrency {cfg.get('concurrency')}, seed "
-               f"{cfg.get('seed')}; P core {cfg.get('cores', ['?'])[0]}, D core "
+               f"{cfg.get('seed')}{', --enforce-eager' if cfg.get('enforce_eager') else ''}; P core {cfg.get('cores', ['?'])[0]}, D core "
                f"{cfg.get('cores', ['?', '?'])[1]}; idle CPU sampled over {cfg.get('idle_s')} s.")
     checks = report.get("targets") or []
     if checks:
@@ -340,10 +341,12 @@ def _src_path() -> str:
 
 def start_vllm(name: str, model_dir: Path, port: int, block_size: int, core: int,
                log_dir: Path, kv_config: dict[str, Any] | None, env: dict[str, str],
-               max_model_len: int) -> Server:
+               max_model_len: int, enforce_eager: bool = False) -> Server:
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
             "--max-model-len", str(max_model_len), "--block-size", str(block_size), "--seed", "0"]
+    if enforce_eager:
+        argv.append("--enforce-eager")
     if kv_config is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_config)]
     pythonpath = os.pathsep.join(p for p in (_src_path(), os.environ.get("PYTHONPATH", "")) if p)
@@ -605,7 +608,7 @@ def record_reference(config: VllmBenchConfig, progress: Progress) -> dict[str, A
     block = config.block_pairs[0][1] if config.block_pairs else 128
     progress(f"colocated reference (block {block}, core {config.cores[0]})")
     server = start_vllm("reference", config.model_dir, Ports(0).reference, block, config.cores[0],
-                        config.log_dir, None, {}, config.max_model_len)
+                        config.log_dir, None, {}, config.max_model_len, config.enforce_eager)
     with running([server]):
         wait_ready([server], config.startup_timeout_s, "/v1/models", progress)
         answers = [complete(server.url, str(config.model_dir), p, config.reference_tokens)
@@ -634,10 +637,10 @@ def run_case(config: VllmBenchConfig, case: Case, index: int, reference: list[st
     with running(servers):
         try:
             prefill = start_vllm("prefill", config.model_dir, ports.prefill, case.prefill_block,
-                                 config.cores[0], log_dir, p_cfg, p_env, config.max_model_len)
+                                 config.cores[0], log_dir, p_cfg, p_env, config.max_model_len, config.enforce_eager)
             servers.append(prefill)
             decode = start_vllm("decode", config.model_dir, ports.decode, case.decode_block,
-                                config.cores[1], log_dir, d_cfg, d_env, config.max_model_len)
+                                config.cores[1], log_dir, d_cfg, d_env, config.max_model_len, config.enforce_eager)
             servers.append(decode)
             wait_ready([prefill, decode], config.startup_timeout_s, "/v1/models", progress)
             proxy = start_proxy(prefill, decode, ports.proxy, log_dir)
@@ -727,6 +730,12 @@ def write_json(report: dict[str, Any], path: Path) -> None:
     path.write_text(json.dumps(report, indent=2, default=str) + "\n")
 
 
+def _worst_idle(result: dict[str, Any]) -> float | None:
+    idle = result.get("idle_cpu") or {}
+    values = [v for v in (((idle.get(role) or {}).get("worker_pct")) for role in ("P", "D")) if v is not None]
+    return max(values) if values else None
+
+
 def plot(report: dict[str, Any], path: Path) -> None:
     """Bar charts per case: TTFT, TPOT, transfer ms and idle worker CPU, one colour per connector."""
     import matplotlib
@@ -742,8 +751,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
         ("TTFT mean (ms)", lambda r: (r.get("client") or {}).get("mean_ttft_ms")),
         ("TPOT mean (ms)", lambda r: (r.get("client") or {}).get("mean_tpot_ms")),
         ("KV transfer per request (ms)", lambda r: (r.get("transfer") or {}).get("transfer_ms")),
-        ("idle CPU, D worker (% of a core)",
-         lambda r: ((r.get("idle_cpu") or {}).get("D") or {}).get("worker_pct")),
+        ("idle CPU, busier worker of P and D (% of a core)", _worst_idle),
     ]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     width = 0.8 / max(1, len(connectors))

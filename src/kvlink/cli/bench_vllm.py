@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 from pathlib import Path
 
 from kvlink.cli.ranges import ranged
@@ -41,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--startup-timeout-s", type=ranged(SECONDS), default=300.0)
     parser.add_argument("--prefill-core", type=ranged(CORE), default=0)
     parser.add_argument("--decode-core", type=ranged(CORE), default=1)
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="pass --enforce-eager to every vLLM server (no torch.compile: "
+                             "much faster start on a loaded machine, slower decode)")
     parser.add_argument("--quick", action="store_true",
                         help="4 prompts, only P128->D128, 5 s idle window")
     parser.add_argument("--out-dir", type=Path, default=Path("bench-results/vllm"),
@@ -79,7 +83,15 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed, connectors=args.connectors, block_pairs=pairs,
         idle_s=args.idle_s or (5.0 if args.quick else 10.0),
         startup_timeout_s=args.startup_timeout_s, cores=(args.prefill_core, args.decode_core),
+        enforce_eager=args.enforce_eager,
         log_dir=(out_dir / "logs").resolve())
+    def interrupted(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    # SIGTERM (and SIGINT, which a shell's background job starts with ignored) unwind through
+    # the bench's `finally` blocks, so every vLLM server started is stopped.
+    signal.signal(signal.SIGTERM, interrupted)
+    signal.signal(signal.SIGINT, interrupted)
     try:
         report = run_bench(config, out_dir, progress=lambda line: print(line, flush=True))
     except KeyboardInterrupt:
