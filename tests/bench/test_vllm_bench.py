@@ -189,3 +189,20 @@ def test_quick_bench_kvlink(tmp_path: Path) -> None:
     assert all(a["equal"] for a in case["answers"]), case["answers"]
     assert case["transfer"]["transfers"] >= 4
     assert (tmp_path / "bench-vllm.png").stat().st_size > 0
+
+
+def test_all_failed_client_has_no_figures() -> None:
+    from kvlink.bench.vllm_pd import clean_client, refresh
+
+    raw = {"completed": 0, "failed": 16, "num_prompts": 16, "mean_ttft_ms": 0.0, "p99_ttft_ms": 0.0,
+           "request_throughput": 0.0, "errors": ["", "HTTP 502"], "itls": [[1.0]]}
+    client = clean_client(raw)
+    assert client["mean_ttft_ms"] is None and client["request_throughput"] is None
+    assert client["client_note"] == "0 of 16 requests completed"
+    assert client["client_errors"] == ["HTTP 502"]
+    assert "itls" not in client
+    report = _report()
+    report["cases"].append(_result("kvlink", "P128->D32", 80.0, 2.0))
+    report["cases"][4]["client"] = raw
+    checks = {c["target"]: c["ok"] for c in refresh(report)["targets"]}
+    assert checks["P128->D32 kvlink TTFT mean ms <= nixl"] is True  # nixl produced nothing

@@ -545,6 +545,15 @@ def run_client(config: VllmBenchConfig, proxy_url: str, out_dir: Path, name: str
     if proc.returncode != 0 or not result_path.exists():
         raise RuntimeError(f"benchmark client exited {proc.returncode}: {tail}")
     data: dict[str, Any] = json.loads(result_path.read_text())
+    return clean_client(data)
+
+
+def clean_client(data: dict[str, Any]) -> dict[str, Any]:
+    """The scalar figures of a client result; latency and throughput None when nothing completed.
+
+    vLLM's client reports 0.0 ms latencies when every request failed, which would read as
+    the best possible figure.
+    """
     keep: dict[str, Any] = {k: v for k, v in data.items()
                             if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
     if data.get("completed") is not None and data.get("num_prompts") not in (None, data["completed"]):
@@ -552,7 +561,19 @@ def run_client(config: VllmBenchConfig, proxy_url: str, out_dir: Path, name: str
     errors = [e for e in data.get("errors", []) if e]
     if errors:
         keep["client_errors"] = errors[:3]
+    if data.get("completed", 1) == 0:
+        for key, _, _ in CLIENT_FIGURES:
+            keep[key] = None
     return keep
+
+
+def refresh(report: dict[str, Any]) -> dict[str, Any]:
+    """A saved report with its client figures cleaned and its targets checked again."""
+    for result in report["cases"]:
+        if result.get("client"):
+            result["client"] = clean_client(result["client"])
+    report["targets"] = check_targets(report)
+    return report
 
 
 # ----------------------------------------------------------------------------- the bench
@@ -786,4 +807,4 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 
 __all__ = ["CONNECTORS", "Case", "VllmBenchConfig", "check_targets", "metric_delta", "parse_prometheus",
-           "plot", "render_markdown", "render_table", "run_bench", "transfer_summary", "write_json"]
+           "plot", "refresh", "render_markdown", "render_table", "run_bench", "transfer_summary", "write_json"]

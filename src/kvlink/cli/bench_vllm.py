@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 from pathlib import Path
+from typing import Any
 
 from kvlink.cli.ranges import ranged
 from kvlink.layout.limits import CONCURRENCY, COUNT, SECONDS, SEED, int_range
@@ -51,6 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="JSON, PNG, client results and server logs go here")
     parser.add_argument("--markdown", type=Path, default=None, help="also write the markdown table here")
     parser.add_argument("--plot", type=Path, default=None, help="PNG path (default OUT_DIR/bench-vllm.png)")
+    parser.add_argument("--from-json", type=Path, default=None, metavar="FILE",
+                        help="start nothing: render the table, markdown and PNG of a saved report")
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -66,14 +70,14 @@ def run(args: argparse.Namespace) -> int:
         SAME_BLOCKS,
         VllmBenchConfig,
         default_model_dir,
-        plot,
-        render_markdown,
-        render_table,
+        refresh,
         run_bench,
-        write_json,
     )
 
     out_dir: Path = args.out_dir
+    if args.from_json is not None:
+        report(refresh(json.loads(args.from_json.read_text())), args, out_dir, write=False)
+        return 0
     model_dir = args.model_dir if args.model_dir is not None else default_model_dir()
     pairs = SAME_BLOCKS if args.quick or args.same_blocks_only else SAME_BLOCKS + MIXED_BLOCKS
     config = VllmBenchConfig(
@@ -85,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
         startup_timeout_s=args.startup_timeout_s, cores=(args.prefill_core, args.decode_core),
         enforce_eager=args.enforce_eager,
         log_dir=(out_dir / "logs").resolve())
+
     def interrupted(signum: int, _frame: object) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
@@ -93,28 +98,35 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, interrupted)
     signal.signal(signal.SIGINT, interrupted)
     try:
-        report = run_bench(config, out_dir, progress=lambda line: print(line, flush=True))
+        result = run_bench(config, out_dir, progress=lambda line: print(line, flush=True))
     except KeyboardInterrupt:
         print("interrupted; every process started was stopped")
         return 130
     except (RuntimeError, TimeoutError, OSError) as error:
         print(f"kvlink bench vllm: {error}")
         return 1
+    report(result, args, out_dir, write=True)
+    return 0
+
+
+def report(result: dict[str, Any], args: argparse.Namespace, out_dir: Path, write: bool) -> None:
+    from kvlink.bench.vllm_pd import plot, render_markdown, render_table, write_json
+
     print()
-    print(render_table(report))
+    print(render_table(result))
     print()
-    markdown = render_markdown(report)
+    markdown = render_markdown(result)
     print(markdown)
-    json_path = out_dir / "bench-vllm.json"
-    write_json(report, json_path)
-    print(f"wrote {json_path}")
+    if write:
+        json_path = out_dir / "bench-vllm.json"
+        write_json(result, json_path)
+        print(f"wrote {json_path}")
     png = args.plot or out_dir / "bench-vllm.png"
-    plot(report, png)
+    plot(result, png)
     print(f"wrote {png}")
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         args.markdown.write_text(markdown)
         print(f"wrote {args.markdown}")
-    failed = [c["target"] for c in report["targets"] if c["ok"] is False]
+    failed = [c["target"] for c in result["targets"] if c["ok"] is False]
     print(f"targets: {len(failed)} missed" + (": " + "; ".join(failed) if failed else ""))
-    return 0
