@@ -77,7 +77,9 @@ class PD:
         count = vllm_metric(d, "vllm:kvlink_bytes_transferred_count")
         resp = self.decode(d, prompt, self.prefill(p, prompt, mode))
         assert resp.status_code == 200, resp.text
-        deadline = time.monotonic() + 5  # stats reach the API server with the next engine step
+        # Stats reach the API server with the next engine step. In push mode P's stats count the
+        # bytes (it posts the WRITEs); D's count nothing.
+        deadline = time.monotonic() + (0 if mode == "push" else 5)
         while vllm_metric(d, "vllm:kvlink_bytes_transferred_count") == count and time.monotonic() < deadline:
             time.sleep(0.1)
         return str(resp.json()["choices"][0]["text"]), vllm_metric(d, "vllm:kvlink_bytes_transferred_sum") - before

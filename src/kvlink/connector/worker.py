@@ -48,7 +48,7 @@ class NixlWorker(ConnectorWorker):
         self, config: ConnectorConfig, model: ModelSpec, tp_size: int, tp_rank: int,
         block_size: int, kernel_block_size: int, num_blocks: int,
         agent_config: AgentConfig | None = None, clock: Callable[[], float] = time.monotonic,
-        page_order: str = "token_major",
+        page_order: str = "token_major", ssm_page_stride: int | None = None, aliased: bool = False,
     ) -> None:
         check_worker_sizes(tp_size, tp_rank, block_size, kernel_block_size, num_blocks)
         if config.side_channel_port and config.side_channel_port + tp_rank > MAX_PORT:
@@ -60,6 +60,7 @@ class NixlWorker(ConnectorWorker):
         self.block_size, self.kernel_block_size, self.num_blocks = block_size, kernel_block_size, num_blocks
         self._agent_config = agent_config
         self.page_order = page_order  # element order inside a page (kvlink.layout.page_order)
+        self.ssm_page_stride, self.aliased = ssm_page_stride, aliased  # see WorkerGeometry
         self.clock = clock
         self.secret = resolve_secret(config.secret)  # same secret as the side channel: authenticates notifications
         self.stats = ConnectorStats()
@@ -82,7 +83,7 @@ class NixlWorker(ConnectorWorker):
         geometry = build_worker_geometry(
             self.model, self.tp_size, self.tp_rank, self.block_size, self.kernel_block_size,
             self.num_blocks, base_addrs,
-            page_order=self.page_order)
+            page_order=self.page_order, ssm_page_stride=self.ssm_page_stride, aliased=self.aliased)
         for region, n in zip(geometry.regions, nbytes, strict=True):
             if region.page_stride * region.num_pages != n:
                 raise ValueError(f"layer {region.layer}: tensor has {n} bytes, layout expects "

@@ -82,6 +82,11 @@ class WorkerGeometry:
     device_id: int
     regions: tuple[Region, ...]
     page_order: str = DEFAULT_PAGE_ORDER
+    # SSM pages `ssm_page_stride` bytes apart (an engine that pads them to its attention page);
+    # None: packed. `aliased`: layers of different groups share memory, one block id being
+    # used by one group at a time (vLLM's hybrid KV cache); layers of one group never overlap.
+    ssm_page_stride: int | None = None
+    aliased: bool = False
 
     @property
     def physical_per_logical(self) -> int:
@@ -123,6 +128,8 @@ class WorkerGeometry:
             "device_id": self.device_id,
             "base_addrs": [r.base for r in self.regions],
             "page_order": self.page_order,
+            "ssm_page_stride": self.ssm_page_stride,
+            "aliased": self.aliased,
         }
 
     @classmethod
@@ -137,6 +144,8 @@ class WorkerGeometry:
             bases = list(wire["base_addrs"])
             claimed_hash = wire["compat_hash"]
             page_order = wire.get("page_order", DEFAULT_PAGE_ORDER)  # peers before page orders
+            ssm_page_stride = wire.get("ssm_page_stride")
+            aliased = wire.get("aliased", False)
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed geometry wire: missing or bad field {exc}") from exc
         bad = [k for k, v in ints.items() if type(v) is not int]
@@ -147,9 +156,14 @@ class WorkerGeometry:
             raise ValueError("geometry wire compat_hash does not match its model spec")
         if not isinstance(page_order, str):
             raise ValueError(f"malformed geometry wire: page_order must be a string, got {page_order!r}")
+        if ssm_page_stride is not None and type(ssm_page_stride) is not int:
+            raise ValueError(f"malformed geometry wire: ssm_page_stride must be an integer, got {ssm_page_stride!r}")
+        if not isinstance(aliased, bool):
+            raise ValueError(f"malformed geometry wire: aliased must be a boolean, got {aliased!r}")
         return build_worker_geometry(
             model, ints["tp_size"], ints["tp_rank"], ints["block_size"], ints["kernel_block_size"],
             ints["num_blocks"], bases, device_id=ints["device_id"], page_order=page_order,
+            ssm_page_stride=ssm_page_stride, aliased=aliased,
         )
 
 
@@ -182,7 +196,8 @@ def remote_sub_part_slice(sub_part: SubPart, first_unit_slot: int, count: int) -
     return sub_part.offset + first_unit_slot * sub_part.unit_bytes, count * sub_part.unit_bytes
 
 
-def _region_for(spec: TensorSpec, model: ModelSpec, tp_size: int, base: int) -> Region:
+def _region_for(spec: TensorSpec, model: ModelSpec, tp_size: int, base: int,
+                ssm_page_stride: int | None = None) -> Region:
     dtype_bytes = model.dtype_bytes
     page_elems = 1
     for dim in spec.shape[1:]:
@@ -193,7 +208,11 @@ def _region_for(spec: TensorSpec, model: ModelSpec, tp_size: int, base: int) -> 
     if spec.kind == "ssm":
         assert is_ssm(group) and isinstance(group, (Mamba2, GDN))
         parts = ssm_sub_parts(group, tp_size, dtype_bytes)
-        return Region(spec.layer, spec.group, "ssm", base, page_len, page_len, num_pages, sub_parts=parts)
+        stride = page_len if ssm_page_stride is None else ssm_page_stride
+        if stride < page_len:
+            raise ValueError(f"ssm_page_stride {stride} is smaller than the SSM page of layer "
+                             f"{spec.layer} ({page_len} bytes)")
+        return Region(spec.layer, spec.group, "ssm", base, page_len, stride, num_pages, sub_parts=parts)
     if spec.kind == "mla":
         assert isinstance(group, MLA)
         return Region(spec.layer, spec.group, "mla", base, page_len, page_len, num_pages,
@@ -213,6 +232,8 @@ def build_worker_geometry(
     base_addrs: Sequence[int],
     device_id: int = 0,
     page_order: str = DEFAULT_PAGE_ORDER,
+    ssm_page_stride: int | None = None,
+    aliased: bool = False,
 ) -> WorkerGeometry:
     """The geometry of the tensors `kv_tensor_specs` describes, placed at `base_addrs` (one per layer).
 
@@ -225,10 +246,17 @@ def build_worker_geometry(
     if len(base_addrs) != model.num_layers:
         raise ValueError(f"expected {model.num_layers} base addresses (one per layer), got {len(base_addrs)}")
     specs = kv_tensor_specs(model, tp_size, block_size, kernel_block_size, num_blocks)
-    regions = tuple(_region_for(s, model, tp_size, int(b)) for s, b in zip(specs, base_addrs, strict=True))
-    _check_no_overlap(regions)
+    if ssm_page_stride is not None:
+        check("ssm_page_stride", ssm_page_stride, int_range(1, 2**40))
+    regions = tuple(_region_for(s, model, tp_size, int(b), ssm_page_stride)
+                    for s, b in zip(specs, base_addrs, strict=True))
+    if aliased:
+        for group in range(len(model.groups)):
+            _check_no_overlap([r for r in regions if r.group == group])
+    _check_no_overlap(regions if not aliased else [])
+    _check_address_range(regions)
     return WorkerGeometry(model, tp_size, tp_rank, block_size, kernel_block_size, num_blocks,
-                          device_id, regions, page_order)
+                          device_id, regions, page_order, ssm_page_stride, aliased)
 
 
 def check_model_page_order(model: ModelSpec, kernel_block_size: int, page_order: str) -> None:
@@ -247,6 +275,16 @@ def check_worker_sizes(tp_size: int, tp_rank: int, block_size: int, kernel_block
     check("tp_rank", tp_rank, int_range(0, tp_size - 1))
     check_block_sizes(block_size, kernel_block_size)
     check("num_blocks", num_blocks, NUM_BLOCKS)
+
+
+def _check_address_range(regions: Sequence[Region]) -> None:
+    ordered = sorted(regions, key=lambda r: r.base)
+    if ordered and ordered[0].base < 0:
+        raise ValueError(f"negative base address {ordered[0].base} for layer {ordered[0].layer}")
+    last = max(regions, key=lambda r: r.end, default=None)
+    if last is not None and last.end > ADDRESS_LIMIT:
+        raise ValueError(f"layer {last.layer} tensor [{last.base:#x}, {last.end:#x}) ends past the "
+                         f"64-bit address space; check its base address and the model's sizes")
 
 
 def _check_no_overlap(regions: Sequence[Region]) -> None:

@@ -44,7 +44,8 @@ class NixlAgent:
 
     def register_regions(self, regions: npt.ArrayLike | Sequence[tuple[int, int]]) -> int:
         """Register DRAM regions given as (addr, nbytes); returns how many were new."""
-        fresh = [r for r in as_regions(regions) if r not in self._registered]
+        # Aliased layers (one memory, several layers) give the same region more than once.
+        fresh = [r for r in dict.fromkeys(as_regions(regions)) if r not in self._registered]
         for addr, nbytes in fresh:
             descs = np.array([[addr, nbytes, 0]], dtype=np.uint64)
             self._registered[(addr, nbytes)] = self._agent.register_memory(descs, "DRAM")

@@ -23,10 +23,11 @@ from vllm.logger import init_logger
 from kvlink.connector.api import StepMetadata
 from kvlink.integrations.vllm.layout import (
     SUPPORTED_LAYOUT,
+    GroupInfo,
     UnsupportedVllmLayout,
-    attention_model_spec,
+    hybrid_model_spec,
 )
-from kvlink.integrations.vllm.options import connector_config, metrics_port
+from kvlink.integrations.vllm.options import agent_config, connector_config, metrics_port
 from kvlink.integrations.vllm.scheduler_side import SchedulerSide
 from kvlink.integrations.vllm.stats import KvlinkPromMetrics, KvlinkStats
 from kvlink.integrations.vllm.worker_side import TORCH_DTYPES, WorkerSide
@@ -59,18 +60,41 @@ def _model_name(vllm_config: VllmConfig) -> str:
     return os.path.basename(os.path.normpath(str(vllm_config.model_config.model)))
 
 
-def _attention_spec(kv_cache_config: KVCacheConfig | None) -> Any:
-    """The single full-attention spec kvlink can move inside vLLM; refuses anything else."""
+SUPPORTED_GROUPS = ("one full-attention group (FullAttentionSpec), optionally with Mamba2 groups "
+                    "(MambaSpec, a hybrid model such as GraniteMoeHybrid) at TP 1")
+
+
+def _dtype_name(dtype: Any) -> str:
+    return TORCH_DTYPES.get(str(dtype), str(dtype))
+
+
+def _kv_groups(kv_cache_config: KVCacheConfig | None) -> list[GroupInfo]:
+    """vLLM's KV-cache groups in kvlink's terms; refuses kinds kvlink cannot move exactly."""
     if kv_cache_config is None:
         raise UnsupportedVllmLayout("kvlink: vLLM gave the connector no kv_cache_config")
-    groups = kv_cache_config.kv_cache_groups
-    kinds = [type(g.kv_cache_spec).__name__ for g in groups]
-    if len(groups) != 1 or kinds[0] != "FullAttentionSpec" or getattr(groups[0].kv_cache_spec, "sliding_window", None):
-        raise UnsupportedVllmLayout(
-            f"kvlink: this model's KV cache groups are {kinds}; kvlink inside vLLM moves models with one "
-            "full-attention group (FullAttentionSpec) so far. Hybrid attention+SSM models are "
-            "supported on kvlink's own engine (kvlink serve)")
-    return groups[0].kv_cache_spec
+    out = []
+    kinds = [type(g.kv_cache_spec).__name__ for g in kv_cache_config.kv_cache_groups]
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        kind = type(spec).__name__
+        if kind == "FullAttentionSpec" and not getattr(spec, "sliding_window", None):
+            out.append(GroupInfo("attention", tuple(group.layer_names), _dtype_name(spec.dtype),
+                                 num_kv_heads=int(spec.num_kv_heads), head_dim=int(spec.head_size),
+                                 block_size=int(spec.block_size)))
+        elif kind == "MambaSpec" and "MAMBA2" in str(spec.mamba_type).upper():
+            dtypes = {_dtype_name(d) for d in spec.dtypes}
+            out.append(GroupInfo("mamba2", tuple(group.layer_names), dtypes.pop() if len(dtypes) == 1 else str(dtypes),
+                                 conv_shape=tuple(int(x) for x in spec.shapes[0]),
+                                 state_shape=tuple(int(x) for x in spec.shapes[1]),
+                                 page_bytes=int(getattr(spec, "real_page_size_bytes", 0)),
+                                 page_stride=int(spec.page_size_bytes)))
+        else:
+            raise UnsupportedVllmLayout(f"kvlink: this model's KV cache groups are {kinds}; kvlink inside vLLM "
+                                        f"moves {SUPPORTED_GROUPS}")
+    if sum(g.kind == "attention" for g in out) != 1:
+        raise UnsupportedVllmLayout(f"kvlink: this model's KV cache groups are {kinds}; kvlink inside vLLM "
+                                    f"moves {SUPPORTED_GROUPS}")
+    return out
 
 
 class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
@@ -88,14 +112,18 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
         parallel = vllm_config.parallel_config
         if cache.cache_dtype not in ("auto", None):
             raise UnsupportedVllmLayout(f"kvlink: kv_cache_dtype {cache.cache_dtype!r} is not supported; use 'auto'")
-        spec = _attention_spec(kv_cache_config)
-        dtype = TORCH_DTYPES.get(str(spec.dtype), str(spec.dtype))
-        self._spec = spec
+        groups = _kv_groups(kv_cache_config)
+        hybrid = len(groups) > 1
+        if hybrid and parallel.tensor_parallel_size != 1:
+            raise UnsupportedVllmLayout(f"kvlink: hybrid models inside vLLM move at TP 1 only; this engine "
+                                        f"runs TP {parallel.tensor_parallel_size}")
+        spec = next(g for g in groups if g.kind == "attention")
+        dtype = spec.dtype
+        self._spec, self._groups = spec, groups
+        model = hybrid_model_spec(_model_name(vllm_config), groups, model_config.get_total_num_kv_heads())
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            model = attention_model_spec(_model_name(vllm_config), model_config.get_total_num_kv_heads(),
-                                         spec.head_size, dtype, 1)
             assert kv_cache_config is not None
             self._scheduler = SchedulerSide(self.config, parallel.tensor_parallel_size, model,
                                             kv_cache_config.transfer_group_ids)
@@ -109,13 +137,22 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
             )
             from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-            isa = _get_attn_isa(spec.dtype, spec.block_size, spec.head_size)
+            if hybrid:
+                from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+
+                if get_conv_state_layout() != "DS":
+                    raise UnsupportedVllmLayout(
+                        f"kvlink: this hybrid model's conv state is laid out {get_conv_state_layout()!r}; kvlink "
+                        "moves it channel-first only: start P and D with VLLM_SSM_CONV_STATE_LAYOUT=DS")
+            torch_dtype = getattr(torch, dtype)
+            isa = _get_attn_isa(torch_dtype, spec.block_size, spec.head_dim)
             self._worker = WorkerSide(
                 self.config, model_name=_model_name(vllm_config),
                 tp_size=get_tensor_model_parallel_world_size(), tp_rank=get_tensor_model_parallel_rank(),
-                num_kv_heads_total=model_config.get_total_num_kv_heads(), head_dim=spec.head_size,
-                block_size=spec.block_size, dtype=dtype, isa=isa,
-                metrics_port=metrics_port(transfer.kv_connector_extra_config))
+                num_kv_heads_total=model_config.get_total_num_kv_heads(), head_dim=spec.head_dim,
+                block_size=spec.block_size, dtype=dtype, isa=isa, model=model, groups=groups if hybrid else None,
+                metrics_port=metrics_port(transfer.kv_connector_extra_config),
+                agent_config=agent_config(transfer.kv_connector_extra_config))
 
     # ---- class-level hooks --------------------------------------------------------------
     @classmethod
@@ -162,7 +199,7 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
         return self._sched().request_finished(request, block_ids)
 
     def has_pending_push_work(self) -> bool:
-        return self._scheduler is not None and self._scheduler.has_pending_push_work()
+        return self._scheduler is not None and self._scheduler.has_pending_work()
 
     # ---- worker side --------------------------------------------------------------------
     def _work(self) -> WorkerSide:
@@ -170,7 +207,7 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._work().register_kv_caches(kv_caches, int(self._spec.num_kv_heads))
+        self._work().register_kv_caches(kv_caches, self._spec.num_kv_heads)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()

@@ -10,7 +10,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvlink.layout.spec import DTYPE_BYTES, FullAttention, ModelSpec
+from kvlink.layout.spec import DTYPE_BYTES, FullAttention, GroupSpec, Mamba2, ModelSpec
+from kvlink.layout.tensors import ssm_page_elems
 
 # vLLM CPU attention ISA -> kvlink page order (the element order inside one head's unit).
 ISA_PAGE_ORDERS = {"vec": "vllm_cpu_vec", "vec16": "vllm_cpu_vec", "amx": "vllm_cpu_amx"}
@@ -100,3 +101,95 @@ def attention_model_spec(name: str, num_kv_heads: int, head_dim: int, dtype: str
             f"kvlink: KV cache dtype {dtype} is not supported; supported: {sorted(DTYPE_BYTES)}")
     return ModelSpec(name=name, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
                      groups=(FullAttention(),), layer_groups=(0,) * num_layers)
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """One vLLM KV-cache group as kvlink needs it (numbers read off its KV-cache spec).
+
+    Attention: `num_kv_heads` on this rank, `head_dim`, `block_size`. Mamba2: the per-rank
+    conv state shape in DS order `(conv_dim, d_conv - 1)`, the SSM state shape
+    `(heads, head_dim, d_state)`, and its page: `page_bytes` of content every `page_stride`.
+    """
+
+    kind: str  # "attention" | "mamba2"
+    layer_names: tuple[str, ...]
+    dtype: str
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    block_size: int = 0
+    conv_shape: tuple[int, ...] = ()
+    state_shape: tuple[int, ...] = ()
+    page_bytes: int = 0
+    page_stride: int = 0
+
+
+def hybrid_model_spec(name: str, groups: Sequence[GroupInfo], num_kv_heads_total: int) -> ModelSpec:
+    """kvlink's model spec for vLLM's groups, in vLLM's group order (block ids come per group)."""
+    attention = [g for g in groups if g.kind == "attention"]
+    if len(attention) != 1:
+        raise UnsupportedVllmLayout(f"kvlink: expected one full-attention group, got {len(attention)}")
+    specs: list[GroupSpec] = []
+    for g in groups:
+        if g.kind == "attention":
+            specs.append(FullAttention())
+            continue
+        if len(g.conv_shape) != 2 or len(g.state_shape) != 3:
+            raise UnsupportedVllmLayout(f"kvlink: Mamba2 group {list(g.layer_names)}: conv state {g.conv_shape}, "
+                                        f"SSM state {g.state_shape}; expected (conv_dim, d_conv-1) and "
+                                        "(heads, head_dim, d_state)")
+        heads, head_dim, d_state = g.state_shape
+        conv_dim, rows = g.conv_shape
+        n_groups, rest = divmod(conv_dim - heads * head_dim, 2 * d_state)
+        if rest or n_groups <= 0:
+            raise UnsupportedVllmLayout(f"kvlink: Mamba2 conv state of {conv_dim} channels does not split into "
+                                        f"x ({heads}x{head_dim}) | B | C of groups of {d_state}")
+        specs.append(Mamba2(num_heads=heads, head_dim=head_dim, n_groups=n_groups, d_state=d_state,
+                            conv_kernel=rows + 1))
+    layer_groups: dict[int, int] = {}
+    for gi, g in enumerate(groups):
+        for layer in g.layer_names:
+            layer_groups[layer_index(layer)] = gi
+    att = attention[0]
+    model = ModelSpec(name=name, num_kv_heads=num_kv_heads_total, head_dim=att.head_dim, dtype=att.dtype,
+                      groups=tuple(specs), layer_groups=tuple(layer_groups[i] for i in sorted(layer_groups)))
+    for g, spec in zip(groups, specs, strict=True):
+        if isinstance(spec, Mamba2):
+            expected = ssm_page_elems(spec, 1) * DTYPE_BYTES[att.dtype]
+            if g.page_bytes != expected or g.dtype != att.dtype:
+                raise UnsupportedVllmLayout(
+                    f"kvlink: Mamba2 page of {list(g.layer_names)} holds {g.page_bytes} bytes of {g.dtype}; kvlink's "
+                    f"page for these shapes is {expected} bytes of {att.dtype} (conv state, then SSM state)")
+    return model
+
+
+def check_hybrid_tensors(tensors: Sequence[LayerTensor], groups: Sequence[GroupInfo]
+                         ) -> tuple[list[int], list[int], int, int | None]:
+    """(base addresses, byte sizes, num_blocks, SSM page stride) in layer order, for a model
+    whose groups alias one allocation (vLLM's hybrid KV cache)."""
+    group_of = {name: g for g in groups for name in g.layer_names}
+    by_name = {t.name: t for t in tensors}
+    missing = sorted(set(group_of) - set(by_name))
+    if missing:
+        raise UnsupportedVllmLayout(f"kvlink: vLLM registered no KV cache for layers {missing}")
+    bases, sizes, blocks, stride = [], [], set(), None
+    for name in sorted(group_of, key=layer_index):
+        t, g = by_name[name], group_of[name]
+        if g.kind == "attention":
+            b, s, n = check_layer_tensors([t], num_kv_heads=g.num_kv_heads, block_size=g.block_size,
+                                          head_dim=g.head_dim, dtype=g.dtype)
+        else:
+            seen = f"layer {name!r}: shape {list(t.shape)}, strides {list(t.strides)}, dtype {t.dtype}"
+            if (len(t.shape) != 4 or tuple(t.shape[1:]) != (1, 1, g.page_bytes) or t.element_size != 1
+                    or t.strides[0] != g.page_stride or t.strides[3] != 1):
+                raise UnsupportedVllmLayout(
+                    f"kvlink: {seen}; expected an int8 view [num_blocks, 1, 1, {g.page_bytes}] with block "
+                    f"stride {g.page_stride} (vLLM's Mamba page)")
+            b, s, n = [t.data_ptr], [t.shape[0] * g.page_stride], t.shape[0]
+            stride = g.page_stride
+        bases += b
+        sizes += s
+        blocks.add(n)
+    if len(blocks) != 1:
+        raise UnsupportedVllmLayout(f"kvlink: the layers of this model have different block counts {sorted(blocks)}")
+    return bases, sizes, blocks.pop(), stride

@@ -11,11 +11,12 @@ from typing import Any
 
 from kvlink.connector.config import ConnectorConfig
 from kvlink.connector.secret import load_secret
+from kvlink.transfer.agent_config import AgentConfig
 
 # Set by the integration from vLLM's own config, never from the extra config.
 _FROM_VLLM = ("engine_id", "load_failure_policy")
 # Extra keys that are not ConnectorConfig fields.
-EXTRA_KEYS = ("secret_file", "metrics_port")
+EXTRA_KEYS = ("secret_file", "metrics_port", "nixl_progress_thread", "nixl_progress_delay_us")
 DEFAULT_SIDE_CHANNEL_PORT = 5700
 
 
@@ -27,6 +28,22 @@ def metrics_port(extra: Mapping[str, Any] | None) -> int | None:
     if type(port) is not int or not 1 <= port <= 65535:
         raise BadExtraConfig(f"kvlink: metrics_port must be a port number, got {port!r}")
     return port
+
+
+def agent_config(extra: Mapping[str, Any] | None) -> AgentConfig:
+    """The worker's NIXL agent settings. Inside vLLM the progress thread is on by default: UCX
+    then progresses transfers and notifications while the engine is busy in a forward pass or
+    idle between steps (kvlink's own engine polls instead). Its poll timeout is patched from
+    NIXL's 0 (a core spinning at 100 %) to `nixl_progress_delay_us` (default 10 ms; wake-ups
+    stay event-driven, so this is an upper bound on latency only when events are missed)."""
+    values = extra or {}
+    thread = values.get("nixl_progress_thread", True)
+    delay = values.get("nixl_progress_delay_us", 10_000)
+    if not isinstance(thread, bool):
+        raise BadExtraConfig(f"kvlink: nixl_progress_thread must be true or false, got {thread!r}")
+    if type(delay) is not int or not 1 <= delay <= 1_000_000:
+        raise BadExtraConfig(f"kvlink: nixl_progress_delay_us must be an integer in [1, 1000000], got {delay!r}")
+    return AgentConfig(progress_thread=thread, progress_delay_us=delay)
 
 
 def known_keys() -> tuple[str, ...]:
@@ -48,9 +65,11 @@ def connector_config(
     text in JSON; `secret_file` reads it from a file; neither: `$KVLINK_SECRET`.
     """
     values = dict(extra or {})
-    values.pop("metrics_port", None)  # see metrics_port()
+    for key in ("metrics_port", "nixl_progress_thread", "nixl_progress_delay_us"):
+        values.pop(key, None)  # see metrics_port() and agent_config()
     unknown = sorted(set(values) - set(known_keys()))
     metrics_port(extra)
+    agent_config(extra)
     if unknown:
         raise BadExtraConfig(
             f"kvlink: unknown kv_connector_extra_config keys {unknown}; known keys: "

@@ -17,8 +17,9 @@ log = logging.getLogger("kvlink.vllm")
 KEEP_STATUSES = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
 
 
-def view(request: Any) -> RequestView:
-    return RequestView(request.request_id, list(request.prompt_token_ids or ()), request.kv_transfer_params)
+def view(request: Any, prompt: list[int] | None = None) -> RequestView:
+    tokens = prompt if prompt is not None else list(request.prompt_token_ids or ())
+    return RequestView(request.request_id, tokens, request.kv_transfer_params)
 
 
 class SchedulerSide:
@@ -32,6 +33,8 @@ class SchedulerSide:
         # "load" fails at once on the workers, so vLLM ends them with an error.
         self._refused: dict[str, str] = {}
         self._refused_loads: list[dict[str, Any]] = []
+        # Hybrid P: the full prompt of requests P computes one token short (see _stop_short).
+        self._full_prompt: dict[str, list[int]] = {}
 
     def on_new_request(self, request: Any) -> None:
         if getattr(request, "abort_immediately", False):
@@ -51,6 +54,22 @@ class SchedulerSide:
                 return
             log.warning("request %s: refusing its kv_transfer_params: %s", request.request_id, exc)
             self._refused[request.request_id] = str(exc)
+
+    def _stop_short(self, request: Any) -> None:
+        """Hybrid P: compute the prompt but its last token, so the SSM state P hands over is the
+        one after N-1 tokens; D recomputes the last token from it (attention-only models move
+        the KV of N-1 tokens the same way, but P may compute all N)."""
+        params = request.kv_transfer_params
+        if (not self.core.state_always_moves or not isinstance(params, dict)
+                or params.get("do_remote_decode") is not True or params.get("_kvlink_stopped_short")
+                or request.prompt_token_ids is None or request.num_prompt_tokens < 2):
+            return
+        self._full_prompt[request.request_id] = list(request.prompt_token_ids)
+        del request.prompt_token_ids[-1]
+        del request._all_token_ids[-1]
+        request.num_prompt_tokens -= 1
+        request.max_tokens = 1
+        params["_kvlink_stopped_short"] = True
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         rid = request.request_id
@@ -95,15 +114,22 @@ class SchedulerSide:
     def request_finished(self, request: Any, block_ids: Sequence[Sequence[int]]) -> tuple[bool, dict[str, Any] | None]:
         self._local_hit.pop(request.request_id, None)
         self._refused.pop(request.request_id, None)
+        full = self._full_prompt.pop(request.request_id, None)
         aborted = request.status.name not in KEEP_STATUSES
         try:
-            return self.core.request_finished(view(request), [list(ids) for ids in block_ids], aborted)
+            done, params = self.core.request_finished(view(request, full), [list(ids) for ids in block_ids], aborted)
+            if params is not None:
+                params.pop("_kvlink_stopped_short", None)
+            return done, params
         except Exception as exc:
             log.warning("request %s: not offering its KV to a decode instance: %s", request.request_id, exc)
             return False, None
 
-    def has_pending_push_work(self) -> bool:
-        return self.config.transfer_mode == "push" and self.core.has_pending_work()
+    def has_pending_work(self) -> bool:
+        """Leases held, loads outstanding or step work queued: vLLM keeps stepping the engine
+        (its workers then drain notifications: P acts on push requests and frees blocks once
+        D has read them). An idle P would otherwise sit on both until its next request."""
+        return self.core.has_pending_work()
 
     def shutdown(self) -> None:
         self.core.shutdown()
