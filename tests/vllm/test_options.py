@@ -92,3 +92,20 @@ def test_unknown_isa_is_refused_naming_it() -> None:
         page_order_for("neon", "float32", 128, 64)
     with pytest.raises(UnsupportedVllmLayout, match="layer index"):
         layer_index("lm_head")
+
+
+def test_agent_settings_default_to_a_patched_progress_thread() -> None:
+    from kvlink.integrations.vllm.options import agent_config, metrics_port
+
+    default = agent_config({})
+    assert default.progress_thread and default.progress_delay_us == 10_000
+    assert not agent_config({"nixl_progress_thread": False}).progress_thread
+    assert metrics_port({}) is None and metrics_port({"metrics_port": 7000}) == 7000
+    for bad in ({"nixl_progress_thread": "yes"}, {"nixl_progress_delay_us": 0}, {"metrics_port": 0},
+                {"metrics_port": "80"}):
+        with pytest.raises(BadExtraConfig):
+            connector_config(bad, engine_id="e", load_failure_policy="fail")
+    # They are integration keys, not ConnectorConfig fields, yet accepted next to them.
+    cfg = connector_config({"nixl_progress_delay_us": 500, "metrics_port": 7000, "lease_s": 5},
+                           engine_id="e", load_failure_policy="fail")
+    assert cfg.lease_s == 5.0

@@ -47,7 +47,8 @@ class SchedulerSide:
             return
         try:
             self.core.on_new_request(view(request))
-        except Exception as exc:
+            self._stop_short(request)
+        except Exception as exc:  # anything raised here would stop vLLM's engine core
             if self.config.load_failure_policy == "recompute" or not _wants_remote_prefill(request):
                 log.warning("request %s: ignoring its kv_transfer_params (%s); computing it here",
                             request.request_id, exc)
@@ -70,6 +71,8 @@ class SchedulerSide:
         request.num_prompt_tokens -= 1
         request.max_tokens = 1
         params["_kvlink_stopped_short"] = True
+        log.info("request %s: prefilling %d of %d prompt tokens (hybrid: D recomputes the last one)",
+                 request.request_id, request.num_prompt_tokens, request.num_prompt_tokens + 1)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         rid = request.request_id

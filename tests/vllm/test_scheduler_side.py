@@ -1,0 +1,48 @@
+"""The scheduler-side adapter on stand-in vLLM requests (no engine): hybrid P stops one short."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from kvlink.connector.config import ConnectorConfig
+from kvlink.integrations.vllm.layout import GroupInfo, hybrid_model_spec
+from kvlink.integrations.vllm.scheduler_side import SchedulerSide
+
+MAMBA = GroupInfo("mamba2", ("model.layers.0.mixer",), "float32", conv_shape=(288, 3), state_shape=(4, 64, 16),
+                  page_bytes=19840, page_stride=65536)
+ATTENTION = GroupInfo("attention", ("model.layers.1.self_attn.attn",), "float32", num_kv_heads=1, head_dim=64,
+                      block_size=128)
+
+
+def side(groups: list[GroupInfo]) -> SchedulerSide:
+    model = hybrid_model_spec("m", groups, 1)
+    return SchedulerSide(ConnectorConfig(engine_id="p", insecure_unsigned_params=True), 1, model,
+                         tuple(range(len(groups))))
+
+
+def request(prompt: list[int], params: dict[str, Any] | None) -> SimpleNamespace:
+    return SimpleNamespace(request_id="r1", prompt_token_ids=list(prompt), _all_token_ids=list(prompt),
+                           num_prompt_tokens=len(prompt), max_tokens=8, kv_transfer_params=params,
+                           abort_immediately=False, status=SimpleNamespace(name="FINISHED_LENGTH_CAPPED"))
+
+
+def test_hybrid_p_computes_all_but_the_last_prompt_token_and_offers_n_minus_1() -> None:
+    s, r = side([MAMBA, ATTENTION]), request([5, 6, 7, 8], {"do_remote_decode": True})
+    s.on_new_request(r)
+    assert r.prompt_token_ids == [5, 6, 7] and r._all_token_ids == [5, 6, 7]
+    assert (r.num_prompt_tokens, r.max_tokens) == (3, 1)
+    keep, params = s.request_finished(r, [[3], [1]])
+    assert keep and params is not None
+    assert params["remote_num_tokens"] == 3 and params["remote_block_ids"] == [[3], [1]]
+    from kvlink.connector.params import prompt_hash
+    assert params["prompt_hash"] == prompt_hash([5, 6, 7, 8])  # D checks against its full prompt
+
+
+def test_attention_only_p_and_plain_requests_are_untouched() -> None:
+    r = request([5, 6, 7, 8], {"do_remote_decode": True})
+    side([ATTENTION]).on_new_request(r)
+    assert r.prompt_token_ids == [5, 6, 7, 8] and r.max_tokens == 8
+    plain = request([5, 6, 7, 8], None)
+    side([MAMBA, ATTENTION]).on_new_request(plain)
+    assert plain.prompt_token_ids == [5, 6, 7, 8]
