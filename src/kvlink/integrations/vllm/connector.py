@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 _vllm_log = init_logger("vllm.kvlink")
+IDLE_STEP_S = 0.005
 
 
 def _route_kvlink_logs() -> None:
@@ -186,7 +188,13 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return KvlinkMetadata(self._sched().build_step())
+        side = self._sched()
+        if getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0 and side.has_pending_work():
+            # An empty step that only waits on kvlink (P's leases, D's loads): vLLM loops on
+            # these as fast as it can. Pace them, so an engine holding a lease does not take
+            # the core a peer on the same machine needs to read it.
+            time.sleep(IDLE_STEP_S)
+        return KvlinkMetadata(side.build_step())
 
     def update_connector_output(self, connector_output: Any) -> None:
         self._sched().update_connector_output(connector_output)
