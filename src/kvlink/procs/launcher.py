@@ -65,34 +65,45 @@ def start_process(name: str, argv: Sequence[str], url: str, log_dir: Path,
     return Service(name, proc, url, log_path)
 
 
+def _answers_health(client: httpx.Client, svc: Service) -> bool:
+    return client.get(svc.url + "/health").status_code == 200
+
+
 def wait_healthy(services: Sequence[Service], timeout_s: float,
-                 progress: Callable[[str], None] = print) -> None:
-    """Poll each service's /health until it answers 200; fail fast if one exits."""
+                 progress: Callable[[str], None] = print,
+                 is_ready: Callable[[httpx.Client, Service], bool] = _answers_health,
+                 tail_lines: int = 20, report_every_s: float = 5.0) -> dict[str, float]:
+    """Poll each service until `is_ready` (default: /health answers 200); fail fast, with the
+    log tail, if one exits. Returns the seconds each took."""
     started = time.monotonic()
     pending = list(services)
+    ready: dict[str, float] = {}
     last_report = 0.0
     with httpx.Client(timeout=2.0) as client:
         while pending:
             elapsed = time.monotonic() - started
             for svc in list(pending):
                 if svc.proc.poll() is not None:
-                    raise RuntimeError(f"{svc.name} exited with code {svc.proc.returncode}:\n{svc.log_tail()}")
+                    raise RuntimeError(f"{svc.name} exited with code {svc.proc.returncode} after "
+                                       f"{elapsed:.0f}s; log {svc.log_path}:\n{svc.log_tail(tail_lines)}")
                 try:
-                    if client.get(svc.url + "/health").status_code == 200:
+                    if is_ready(client, svc):
                         pending.remove(svc)
+                        ready[svc.name] = elapsed
                         progress(f"  {svc.name} ready after {elapsed:.1f}s ({svc.url})")
-                except httpx.HTTPError:
+                except (httpx.HTTPError, ValueError):
                     pass
             if not pending:
-                return
+                break
             if elapsed > timeout_s:
                 names = ", ".join(s.name for s in pending)
-                raise TimeoutError(f"{names} not healthy after {timeout_s:.0f}s:\n{pending[0].log_tail()}")
-            if elapsed - last_report >= 5.0:
+                raise TimeoutError(f"{names} not ready after {timeout_s:.0f}s; log {pending[0].log_path}:\n"
+                                   f"{pending[0].log_tail(tail_lines)}")
+            if elapsed - last_report >= report_every_s:
                 last_report = elapsed
-                progress(f"  waiting for {', '.join(s.name for s in pending)} (loading models) "
-                         f"{elapsed:.0f}s")
+                progress(f"  waiting for {', '.join(s.name for s in pending)} {elapsed:.0f}s")
             time.sleep(0.2)
+    return ready
 
 
 def stop_all(services: Sequence[Service], timeout_s: float = 15.0) -> None:

@@ -11,7 +11,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from kvlink.procs.launcher import Service, start_process, stop_all
+from kvlink.procs.launcher import Service, start_process, stop_all, wait_healthy
 
 API_SERVER = "vllm.entrypoints.openai.api_server"
 
@@ -108,42 +107,19 @@ def start_server(spec: VllmServerSpec, log_dir: Path, cwd: Path | None = None) -
         os.chdir(old)
 
 
+def _serves_a_model(client: httpx.Client, svc: Service) -> bool:
+    return bool(client.get(svc.url + "/health").status_code == 200
+                and client.get(svc.url + "/v1/models").json().get("data"))
+
+
 def wait_ready(services: Sequence[Service], timeout_s: float = 240.0,
                progress: Callable[[str], None] = print) -> dict[str, float]:
     """Wait until each server answers /health 200 and lists a model on /v1/models.
 
     Fails fast (with the log tail) if a process exits; returns seconds to ready per name.
     """
-    started = time.monotonic()
-    pending = list(services)
-    ready: dict[str, float] = {}
-    last_report = 0.0
-    with httpx.Client(timeout=2.0) as client:
-        while pending:
-            elapsed = time.monotonic() - started
-            for svc in list(pending):
-                if svc.proc.poll() is not None:
-                    raise RuntimeError(f"{svc.name} exited with code {svc.proc.returncode} "
-                                       f"after {elapsed:.0f}s; log {svc.log_path}:\n{svc.log_tail(40)}")
-                try:
-                    if (client.get(svc.url + "/health").status_code == 200
-                            and client.get(svc.url + "/v1/models").json().get("data")):
-                        pending.remove(svc)
-                        ready[svc.name] = elapsed
-                        progress(f"  {svc.name} ready after {elapsed:.1f}s ({svc.url})")
-                except (httpx.HTTPError, ValueError):
-                    pass
-            if not pending:
-                break
-            if elapsed > timeout_s:
-                raise TimeoutError(f"{', '.join(s.name for s in pending)} not ready after "
-                                   f"{timeout_s:.0f}s; log {pending[0].log_path}:\n"
-                                   f"{pending[0].log_tail(40)}")
-            if elapsed - last_report >= 10.0:
-                last_report = elapsed
-                progress(f"  waiting for {', '.join(s.name for s in pending)} {elapsed:.0f}s")
-            time.sleep(0.5)
-    return ready
+    return wait_healthy(services, timeout_s, progress, is_ready=_serves_a_model, tail_lines=40,
+                        report_every_s=10.0)
 
 
 def stop_servers(services: Sequence[Service], timeout_s: float = 20.0) -> None:
