@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 24
-LEASE_S = 8.0
+LEASE_S = 15.0
 STALL_S = 6.0
 SENTENCE = "The quick brown fox number {} jumps over the lazy dog near the river bank."
 # 9, ~150, ~300 and ~600 tokens: inside one block, past one block of 128, past several. No
@@ -165,7 +165,7 @@ def pd(vllm_servers: VllmServers, smollm2_dir: Path, colocated: Colocated) -> It
 
     def spec(name: str, block: int, cores: str, policy: str) -> VllmServerSpec:
         config = kvlink_transfer_config(vllm_servers.side_channel_port(), lease_s=LEASE_S,
-                                        stall_timeout_s=STALL_S, handshake_timeout_s=3.0,
+                                        stall_timeout_s=STALL_S, handshake_timeout_s=10.0,
                                         metrics_port=ports[name])
         config["kv_load_failure_policy"] = policy
         return VllmServerSpec(model=smollm2_dir, port=vllm_servers.http_port(), block_size=block, cores=cores,
