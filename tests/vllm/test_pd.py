@@ -35,6 +35,7 @@ pytestmark = pytest.mark.slow
 MAX_TOKENS = 24
 LEASE_S = 15.0
 STALL_S = 6.0
+HANDSHAKE_S = 10.0
 SENTENCE = "The quick brown fox number {} jumps over the lazy dog near the river bank."
 # 9, ~150, ~300 and ~600 tokens: inside one block, past one block of 128, past several. No
 # prompt starts with another's first block, so D's prefix cache never hits across tests.
@@ -165,7 +166,7 @@ def pd(vllm_servers: VllmServers, smollm2_dir: Path, colocated: Colocated) -> It
 
     def spec(name: str, block: int, cores: str, policy: str) -> VllmServerSpec:
         config = kvlink_transfer_config(vllm_servers.side_channel_port(), lease_s=LEASE_S,
-                                        stall_timeout_s=STALL_S, handshake_timeout_s=10.0,
+                                        stall_timeout_s=STALL_S, handshake_timeout_s=HANDSHAKE_S,
                                         metrics_port=ports[name])
         config["kv_load_failure_policy"] = policy
         return VllmServerSpec(model=smollm2_dir, port=vllm_servers.http_port(), block_size=block, cores=cores,
@@ -319,8 +320,10 @@ def test_p_killed_after_prefill(pd: PD, colocated: Colocated) -> None:
     recomputed = pd.decode(pd.c, other, for_c)
     assert recomputed.status_code == 200 and time.monotonic() - started < STALL_S + 10
     assert recomputed.json()["choices"][0]["text"] == expected
-    wait_idle(pd, pd.b, "b", within_s=10)
-    wait_idle(pd, pd.c, "c", within_s=10)
+    # vLLM hands the failed request back (pre-aborted) so D tells P to free: a notification to
+    # a dead P, given up after the handshake deadline.
+    wait_idle(pd, pd.b, "b", within_s=HANDSHAKE_S + 10)
+    wait_idle(pd, pd.c, "c", within_s=HANDSHAKE_S + 10)
 
 
 def test_d_killed_while_p_holds_blocks(pd: PD) -> None:
