@@ -34,7 +34,7 @@ pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 24
 LEASE_S = 15.0
-STALL_S = 6.0
+STALL_S = 10.0
 HANDSHAKE_S = 10.0
 SENTENCE = "The quick brown fox number {} jumps over the lazy dog near the river bank."
 # 9, ~150, ~300 and ~600 tokens: inside one block, past one block of 128, past several. No
@@ -291,11 +291,12 @@ def test_p_frozen_after_prefill(pd: PD, colocated: Colocated) -> None:
     finally:
         for proc in frozen:
             proc.send_signal(signal.SIGCONT)
-    assert failed.status_code >= 500 and fail_s < STALL_S + 5, (failed.status_code, fail_s)
-    assert recomputed.status_code == 200 and recompute_s < STALL_S + 10
+    # Bounded by the stall deadline, plus slack for a loaded 2-core machine.
+    assert failed.status_code >= 500 and fail_s < STALL_S + 15, (failed.status_code, fail_s)
+    assert recomputed.status_code == 200 and recompute_s < STALL_S + 20
     assert recomputed.json()["choices"][0]["text"] == colocated(other)
     for server, name in ((pd.a, "a"), (pd.b, "b"), (pd.c, "c")):
-        wait_idle(pd, server, name, within_s=LEASE_S + 10)
+        wait_idle(pd, server, name, within_s=LEASE_S + HANDSHAKE_S + 10)
 
 
 def test_client_leaving_d_mid_load_frees_p_at_once(pd: PD) -> None:
@@ -315,10 +316,10 @@ def test_p_killed_after_prefill(pd: PD, colocated: Colocated) -> None:
     pd.a.proc.wait(timeout=30)
     started = time.monotonic()
     failed = pd.decode(pd.b, prompt, for_b)
-    assert failed.status_code >= 500 and time.monotonic() - started < STALL_S + 5
+    assert failed.status_code >= 500 and time.monotonic() - started < STALL_S + 15
     started = time.monotonic()
     recomputed = pd.decode(pd.c, other, for_c)
-    assert recomputed.status_code == 200 and time.monotonic() - started < STALL_S + 10
+    assert recomputed.status_code == 200 and time.monotonic() - started < STALL_S + 20
     assert recomputed.json()["choices"][0]["text"] == expected
     # vLLM hands the failed request back (pre-aborted) so D tells P to free: a notification to
     # a dead P, given up after the handshake deadline.
