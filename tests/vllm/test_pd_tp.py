@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 
 # Not in `make test`: on this 2-core machine (a TP 2 engine and a TP 1 engine, three workers on
 # two cores) D's request reaches D's engine only after P's lease ends, and one D rank's first
-# READ stays pending for ~27 s (docs/vllm.md, Limits). `make test-vllm-tp` runs it.
-pytestmark = [pytest.mark.slow, pytest.mark.vllm_tp]
+# READ stays pending for ~27 s (docs/vllm.md, Limits). `make test-vllm-opt-in` runs it.
+pytestmark = [pytest.mark.slow, pytest.mark.vllm_opt_in]
 
 MAX_TOKENS = 16
 PROMPTS = ["The last keeper of the lighthouse was",
