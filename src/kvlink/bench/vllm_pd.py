@@ -32,6 +32,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from kvlink.integrations.vllm.launch import VllmServerSpec, server_argv, server_env
+
 Progress = Callable[[str], None]
 
 CONNECTORS = ("nixl", "kvlink")
@@ -102,7 +104,7 @@ class VllmBenchConfig:
 
 def default_model_dir() -> Path:
     """SmolLM2-135M as an HF directory, from the vLLM integration (imported only when needed)."""
-    from kvlink.integrations.vllm.models import smollm2_hf_dir  # type: ignore[import-not-found]
+    from kvlink.integrations.vllm.models import smollm2_hf_dir
 
     path: Path = smollm2_hf_dir()
     return path
@@ -342,17 +344,11 @@ def _src_path() -> str:
 def start_vllm(name: str, model_dir: Path, port: int, block_size: int, core: int,
                log_dir: Path, kv_config: dict[str, Any] | None, env: dict[str, str],
                max_model_len: int, enforce_eager: bool = False) -> Server:
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-            "--max-model-len", str(max_model_len), "--block-size", str(block_size), "--seed", "0"]
-    if enforce_eager:
-        argv.append("--enforce-eager")
-    if kv_config is not None:
-        argv += ["--kv-transfer-config", json.dumps(kv_config)]
+    spec = VllmServerSpec(model=model_dir, port=port, block_size=block_size, cores=str(core),
+                          kv_transfer_config=kv_config, max_model_len=max_model_len,
+                          enforce_eager=enforce_eager, env=env, args=["--seed", "0"], name=name)
     pythonpath = os.pathsep.join(p for p in (_src_path(), os.environ.get("PYTHONPATH", "")) if p)
-    server_env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core),
-                  "PYTHONPATH": pythonpath, **env}
-    return _spawn(name, argv, port, log_dir, server_env, core)
+    return _spawn(name, server_argv(spec), port, log_dir, {**server_env(spec), "PYTHONPATH": pythonpath}, core)
 
 
 def start_proxy(prefill: Server, decode: Server, port: int, log_dir: Path) -> Server:
