@@ -5,7 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvlink.connector.api import LoadFailurePolicy, TransferMode
-from kvlink.layout.limits import PORT_OR_EPHEMERAL, SECONDS, SECONDS_OR_ZERO, bounded, check_fields
+from kvlink.layout.limits import (
+    PORT_OR_EPHEMERAL,
+    SECONDS,
+    SECONDS_OR_ZERO,
+    bounded,
+    check_fields,
+    int_range,
+)
 
 
 @dataclass(frozen=True)
@@ -27,6 +34,10 @@ class ConnectorConfig:
     engine_ttl_s: float = bounded(SECONDS, 600.0)
     load_failure_policy: LoadFailurePolicy = "fail"
     transfer_mode: TransferMode = "pull"
+    # Per reader worker and P kernel block size: staging pages for reads between different
+    # kernel block sizes of a non token-major page order (kvlink.plan.staged). Allocated at
+    # the first such handshake and touched only as READs land.
+    staging_mib: int = bounded(int_range(1, 1 << 20), 256)
     # Shared by every P and D (see connector/secret.py); None: `$KVLINK_SECRET`. The scheduler
     # side refuses to run without one unless `insecure_unsigned_params` opts out explicitly.
     secret: bytes | None = None

@@ -13,7 +13,7 @@ from typing import Any
 
 from kvlink.connector.config import ConnectorConfig
 from kvlink.connector.handshakes import HandshakeRunner
-from kvlink.connector.remote import RemoteEngine, connect_reader, release_engine
+from kvlink.connector.remote import RemoteEngine, StagingFor, connect_reader, release_engine
 from kvlink.connector.stats import ConnectorStats
 from kvlink.layout.geometry import WorkerGeometry
 from kvlink.plan.tp_mapping import compute_tp_mapping
@@ -51,7 +51,7 @@ class EngineDirectory:
         return None
 
     def collect(self, agent: NixlAgent, local: WorkerGeometry,
-                on_failure: Callable[[str, str, bool], None]) -> None:
+                on_failure: Callable[[str, str, bool], None], staging_for: StagingFor | None = None) -> None:
         """Apply finished handshakes; `on_failure(engine_id, reason, bad_params)` for each that
         failed. `bad_params`: the params name what is not there (another engine answers at
         that address, or one D cannot read from); otherwise P could not be reached (dead,
@@ -65,7 +65,7 @@ class EngineDirectory:
                 on_failure(engine_id, f"handshake failed: {result}", wrong_engine)
                 continue
             try:
-                self.engines[engine_id] = connect_reader(agent, local, engine_id, result)
+                self.engines[engine_id] = connect_reader(agent, local, engine_id, result, staging_for)
             except Exception as exc:  # incompatible layout, NIXL refusal: fail its requests, keep serving
                 self.stats.count("refused_peers_total")
                 log.error("refusing engine %s: %s", engine_id, exc)

@@ -23,6 +23,8 @@ class Load:
     # push mode: what the sources will write, from D's own plan (P's WRITEs are not ours to count)
     push_bytes: int = 0
     push_descriptors: int = 0
+    # staged read: the engine's pool and plan request (slots to give back, runs to copy)
+    staging: Any = None
 
     def record(self, t: Transfer) -> TransferRecord:
         return transfer_record(self.request_id, t)

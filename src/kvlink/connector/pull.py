@@ -7,12 +7,14 @@ rest and fails the request with exactly its blocks named.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 from kvlink.connector.loads import Load
 from kvlink.connector.notifs import Done, encode
 from kvlink.connector.remote import RemoteEngine
 from kvlink.layout.spec import ModelSpec, is_ssm
+from kvlink.plan.staged import StagedRequest
 from kvlink.transfer.xfer import Transfer, TransferFailed
 
 if TYPE_CHECKING:
@@ -23,19 +25,29 @@ class PullReader:
     def __init__(self, worker: NixlWorker) -> None:
         self.worker = worker
 
-    def start(self, engine: RemoteEngine, entry: dict[str, Any]) -> None:
+    def start(self, engine: RemoteEngine, entry: dict[str, Any]) -> bool:
+        """Post a load's READs (or fail it); False while it waits for staging slots."""
         w = self.worker
         rid = entry["request_id"]
         assert engine.plan is not None and w.agent is not None and w.inflight is not None
         if not self.same_incarnation(engine, entry):
-            return
+            return True
+        staged: StagedRequest | None = None
         try:
-            specs = engine.plan.request_ids(entry["local_block_ids"], entry["remote_block_ids"],
-                                            entry["num_tokens"], entry["local_computed_tokens"])
-        except (ValueError, KeyError) as exc:
+            if engine.staged is not None:
+                staged = self.stage(engine, entry)
+                if staged is None:
+                    return rid in w.out.failed_recving
+                specs = staged.specs
+            else:
+                specs = engine.plan.request_ids(entry["local_block_ids"], entry["remote_block_ids"],
+                                                entry["num_tokens"], entry["local_computed_tokens"])
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
             w.fail_request(rid, all_blocks(entry), f"cannot plan request: {exc}", bad_params=True)
-            return
+            return True
         load = w.book.start(rid, entry, all_blocks(entry), w.clock())
+        if staged is not None:
+            load.staging = (engine, staged)
         for spec in specs:
             done = encode(Done(entry["remote_request_id"], engine.expected[spec.src_rank]), w.secret)
             handles = engine.handles[spec.src_rank]
@@ -48,13 +60,51 @@ class PullReader:
             except TransferFailed as exc:
                 if not load.transfers and w.retry_after_handshake(
                         engine.engine_id, entry, f"READ refused ({exc.reason})"):
-                    return
+                    return True
                 self.failed(load, engine, exc.reason)
-                return
+                return True
             load.transfers.append(t)
             w.inflight.add(t)
         w.notify(engine, entry, "notify", only_extra=True)
         self.maybe_complete(load)
+        return True
+
+    def stage(self, engine: RemoteEngine, entry: dict[str, Any]) -> StagedRequest | None:
+        """Staging slots and the staged request; None when the load waits for slots, or
+        failed (then it is in `failed_recving`). Raises ValueError for unusable params."""
+        w = self.worker
+        staged, pool = engine.staged, engine.pool
+        assert staged is not None and pool is not None
+        num_tokens, computed = int(entry["num_tokens"]), int(entry["local_computed_tokens"])
+        need = staged.slots_needed(num_tokens, computed)
+        if need > pool.slots:
+            remote_blocks = len(entry["remote_block_ids"][0])
+            if remote_blocks * staged.read.remote_block_size < num_tokens:
+                raise ValueError(f"remote block list of group 0 has {remote_blocks} blocks but "
+                                 f"{num_tokens} tokens need more")
+            w.fail_request(entry["request_id"], all_blocks(entry), (
+                f"request needs {need} staging pages of {pool.kernel_block_size} tokens "
+                f"({need * pool.slot_bytes / 2**20:.1f} MiB) but the staging area holds {pool.slots} "
+                f"({w.config.staging_mib} MiB); raise staging_mib"))
+            return None
+        now = w.clock()
+        slots = pool.take(need, now)
+        if slots is None:
+            since = entry.setdefault("_staging_since", now)
+            if now - since > w.config.stall_timeout_s:
+                w.stats.count("stalled_transfers_total")
+                w.fail_request(entry["request_id"], all_blocks(entry), (
+                    f"stalled: no {need} free staging pages for {now - since:.1f} s "
+                    f"(stall_timeout_s {w.config.stall_timeout_s}); raise staging_mib"), stalled=True)
+            return None
+        try:
+            request = staged.request(entry["local_block_ids"], entry["remote_block_ids"], num_tokens,
+                                     computed, slots)
+        except BaseException:
+            pool.give(slots)
+            raise
+        w.stats.count("staged_loads_total")
+        return request
 
     def same_incarnation(self, engine: RemoteEngine, entry: dict[str, Any]) -> bool:
         """P names its start in the params; blocks named by an earlier start hold nothing now.
@@ -78,15 +128,37 @@ class PullReader:
         if load.failed or any(not t.finished for t in load.transfers):
             return
         w.book.finish(load.request_id)
+        relayout_s = self.relayout(load)
         records = [load.record(t) for t in load.transfers]
         for rec in records:
             w.stats.record(rec)
         w.out.finished_recving.add(load.request_id)
-        w.out.transfer_figures[load.request_id] = {
+        figures = {
             "kv_bytes": float(sum(r.nbytes for r in records)),
             "kv_transfer_s": w.clock() - load.started,
             "kv_descriptors": float(sum(r.descriptors for r in records)),
         }
+        if relayout_s is not None:
+            figures["kv_relayout_s"] = relayout_s
+        w.out.transfer_figures[load.request_id] = figures
+
+    def relayout(self, load: Load) -> float | None:
+        """Copy a staged load's tokens into our pages and give its slots back; seconds taken."""
+        if load.staging is None:
+            return None
+        engine, staged = load.staging
+        load.staging = None
+        w = self.worker
+        start = time.perf_counter()
+        try:
+            if staged.runs.size:
+                engine.pool.relayout(w.local_pages(), w.kernel_block_size, w.page_order,
+                                     w.model.head_dim, staged.runs)
+        finally:
+            engine.pool.give(staged.slots)
+        elapsed = time.perf_counter() - start
+        w.stats.count("relayout_bytes_total", staged.relayout_bytes)
+        return elapsed
 
     def failed(self, load: Load, engine: RemoteEngine | None, reason: str) -> None:
         w = self.worker

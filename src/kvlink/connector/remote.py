@@ -7,16 +7,21 @@ only posts integer index arrays.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from kvlink.layout.geometry import WorkerGeometry
 from kvlink.plan.compat import IncompatibleLayout, check_compatible
+from kvlink.plan.staged import StagedPlan, build_staged_plan, needs_staging
 from kvlink.plan.tp_mapping import compute_tp_mapping, consumers_per_producer
 from kvlink.plan.transfer_plan import TransferPlan, build_transfer_plan
 from kvlink.transfer.agent import NixlAgent
+
+if TYPE_CHECKING:
+    from kvlink.connector.staging import StagingPool
 from kvlink.transfer.wire import PROTOCOL_VERSION, HandshakePayload
 
 MAX_GEOMETRY_BYTES = 1 << 20
@@ -60,6 +65,10 @@ class RemoteEngine:
     handles: dict[int, SourceHandles]
     expected: tuple[int, ...]
     last_used: float = field(default_factory=time.monotonic)
+    # Staged reads (different kernel block sizes, see kvlink.plan.staged): `plan` is then
+    # `staged.read`, whose local side is the staging area of `pool`.
+    staged: StagedPlan | None = None
+    pool: StagingPool | None = None
 
     def notify_agents(self, ranks: Iterable[int]) -> list[tuple[int, str]]:
         return [(r, self.agents[r]) for r in ranks if r in self.agents]
@@ -85,13 +94,28 @@ def check_payload(payload: HandshakePayload, local: WorkerGeometry, engine_id: s
     return geometry
 
 
+StagingFor = Callable[[int], "StagingPool"]
+
+
 def connect_reader(
     agent: NixlAgent, local: WorkerGeometry, engine_id: str, payloads: Mapping[int, HandshakePayload],
+    staging_for: StagingFor | None = None,
 ) -> RemoteEngine:
-    """D side (pull): we read from the remote engine. Plans, adds agents, preps lists."""
+    """D side (pull): we read from the remote engine. Plans, adds agents, preps lists.
+
+    With `staging_for` (P kernel block size → the worker's staging pool), a P whose pages
+    need a re-layout (`needs_staging`) is read through staging pages."""
     geometries = {r: check_payload(p, local, engine_id) for r, p in payloads.items()}
     remote_tp = next(iter(payloads.values())).tp_size
-    plan = build_transfer_plan(local, {r: geometries[r] for r in _sources(local, remote_tp, geometries)})
+    sources = {r: geometries[r] for r in _sources(local, remote_tp, geometries)}
+    any_source = next(iter(sources.values()))
+    staged, pool = None, None
+    if staging_for is not None and needs_staging(local, any_source):
+        pool = staging_for(any_source.kernel_block_size)
+        staged = build_staged_plan(local, pool.geometry, sources)
+        plan = staged.read
+    else:
+        plan = build_transfer_plan(local, sources)
     agents = {r: agent.add_remote(p.agent_metadata) for r, p in payloads.items()}
     handles: dict[int, SourceHandles] = {}
     try:
@@ -104,7 +128,8 @@ def connect_reader(
         release_engine(agent, RemoteEngine(engine_id, remote_tp, agents, geometries, plan, handles, ()))
         raise
     expected = consumers_per_producer(local.model, remote_tp, local.tp_size)
-    return RemoteEngine(engine_id, remote_tp, agents, geometries, plan, handles, expected)
+    return RemoteEngine(engine_id, remote_tp, agents, geometries, plan, handles, expected,
+                        staged=staged, pool=pool)
 
 
 def _sources(local: WorkerGeometry, remote_tp: int, geometries: Mapping[int, WorkerGeometry]) -> list[int]:

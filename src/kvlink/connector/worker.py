@@ -19,7 +19,7 @@ from kvlink.connector.config import ConnectorConfig
 from kvlink.connector.directory import EngineDirectory
 from kvlink.connector.inbox import drain_notifications
 from kvlink.connector.lease import LeaseTable
-from kvlink.connector.loads import LoadBook
+from kvlink.connector.loads import Load, LoadBook
 from kvlink.connector.notifs import (
     Done,
     Heartbeat,
@@ -28,6 +28,7 @@ from kvlink.connector.notifs import (
 from kvlink.connector.pull import PullReader, all_blocks, local_tail
 from kvlink.connector.push import PushWriter
 from kvlink.connector.remote import RemoteEngine, encode_geometry
+from kvlink.connector.staging import LocalPages, StagingPool
 from kvlink.connector.stats import ConnectorStats
 from kvlink.layout.geometry import WorkerGeometry, build_worker_geometry, check_worker_sizes
 from kvlink.layout.limits import MAX_PORT
@@ -77,6 +78,8 @@ class NixlWorker(ConnectorWorker):
         self.server: HandshakeServer | None = None
         self.inflight: InflightTracker | None = None
         self.push: PushWriter | None = None
+        self._staging: dict[int, StagingPool] = {}
+        self._local_pages: LocalPages | None = None
 
     # ---- registration -------------------------------------------------------------------
     def register_kv_caches(self, base_addrs: Sequence[int], nbytes: Sequence[int]) -> None:
@@ -127,7 +130,7 @@ class NixlWorker(ConnectorWorker):
     def _advance(self) -> None:
         """Finish handshakes, then run every waiting entry whose engine is ready."""
         assert self.agent is not None and self.geometry is not None
-        self.directory.collect(self.agent, self.geometry, self._fail_waiting)
+        self.directory.collect(self.agent, self.geometry, self._fail_waiting, self.staging_for)
         still: list[tuple[str, dict[str, Any]]] = []
         for kind, entry in self._waiting:
             engine = self.directory.lookup(entry, self.geometry)
@@ -135,12 +138,18 @@ class NixlWorker(ConnectorWorker):
                 still.append((kind, entry))
                 continue
             engine.last_used = self.clock()
-            if kind == "load" and entry.get("transfer_mode") == "push":
+            if kind == "load" and entry.get("transfer_mode") == "push" and engine.staged is None:
                 assert self.push is not None
                 if self.pull.same_incarnation(engine, entry):
                     self.push.request_push(engine, entry)
             elif kind == "load":
-                self.pull.start(engine, entry)
+                if entry.get("transfer_mode") == "push":
+                    # P's WRITE cannot re-layout pages between kernel block sizes: D reads
+                    # through its staging pages instead (P frees on the same notification).
+                    self.stats.count("push_as_staged_pull_total")
+                    entry = {**entry, "transfer_mode": "pull"}
+                if not self.pull.start(engine, entry):
+                    still.append((kind, entry))
             else:
                 self.notify(engine, entry, kind)
         self._waiting = still
@@ -167,6 +176,7 @@ class NixlWorker(ConnectorWorker):
         if load is not None:
             load.failed = True
             self.book.finish(rid)
+            self.drop_staging(load, quarantine=stalled or any(not t.finished for t in load.transfers))
         log.warning("request %s failed to load (%d blocks invalid): %s", rid, len(blocks), reason)
         self.out.failed_recving.add(rid)
         self.out.load_failures.setdefault(rid, LoadFailure(reason, bad_params, forbidden, stalled))
@@ -179,6 +189,9 @@ class NixlWorker(ConnectorWorker):
         if entry.get("_retried"):
             return False
         log.warning("load %s: %s; re-handshaking with %s once", entry["request_id"], why, engine_id)
+        load = self.book.get(entry["request_id"])
+        if load is not None:
+            self.drop_staging(load, quarantine=False)
         self.book.finish(entry["request_id"])
         self.drop_engine(engine_id)
         self._waiting.append(("load", {**entry, "_retried": True}))
@@ -186,6 +199,38 @@ class NixlWorker(ConnectorWorker):
 
     def drop_engine(self, engine_id: str) -> None:
         self.directory.drop(self.agent, engine_id)
+
+    # ---- staged reads (different kernel block sizes, kvlink.plan.staged) ---------------
+    def staging_for(self, remote_kernel_block_size: int) -> StagingPool:
+        """This worker's staging pool for P pages of `remote_kernel_block_size` tokens."""
+        pool = self._staging.get(remote_kernel_block_size)
+        if pool is None:
+            assert self.agent is not None and self.geometry is not None
+            pool = StagingPool(self.geometry, remote_kernel_block_size, self.config.staging_mib << 20,
+                               self.agent)
+            self._staging[remote_kernel_block_size] = pool
+            log.info("kvlink worker %s rank %d: %d staging pages of %d tokens (%.1f MiB) for P pages "
+                     "of another kernel block size", self.config.engine_id, self.tp_rank, pool.slots,
+                     remote_kernel_block_size, pool.capacity_bytes / 2**20)
+        return pool
+
+    def local_pages(self) -> LocalPages:
+        if self._local_pages is None:
+            assert self.geometry is not None
+            self._local_pages = LocalPages(self.geometry)
+        return self._local_pages
+
+    def drop_staging(self, load: Load, quarantine: bool) -> None:
+        """Give a failed or requeued load's staging slots back (after the quarantine time when a
+        READ into them may still land)."""
+        if load.staging is None:
+            return
+        engine, staged = load.staging
+        load.staging = None
+        if quarantine:
+            engine.pool.quarantine(staged.slots, self.clock() + self.config.quarantine_s)
+        else:
+            engine.pool.give(staged.slots)
 
     # ---- notifications ------------------------------------------------------------------
     def notify(self, engine: RemoteEngine, entry: dict[str, Any], kind: str, only_extra: bool = False) -> None:

@@ -66,8 +66,8 @@ def page_views(pages: Pages, order: str, N: int, D: int) -> list[Pages]:
     return views
 
 
-def _index(lead: int, page: int, axis: TokenAxis, start: int, stop: int) -> tuple[object, ...]:
-    tail: list[object] = [slice(None)] * len(axis.shape)
+def _index(lead: int, page: int, axis: TokenAxis, start: int, stop: int) -> tuple[int | slice, ...]:
+    tail: list[int | slice] = [slice(None)] * len(axis.shape)
     tail[axis.axis] = slice(start // axis.granule, stop // axis.granule)
     return (*([slice(None)] * lead), page, slice(None), *tail)
 

@@ -1,0 +1,173 @@
+"""Staged reads over real NIXL in one process: P and D workers with different kernel block
+sizes in vLLM's CPU page order; D reads whole P pages into staging and re-lays them out."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import sim
+from kvmem import real_worker, region_sizes
+from test_worker_inprocess import poll_until
+
+from kvlink.connector.api import StepMetadata
+from kvlink.connector.config import ConnectorConfig
+from kvlink.connector.worker import NixlWorker
+from kvlink.layout.spec import FullAttention, ModelSpec
+
+pytestmark = pytest.mark.timeout(90)
+ORDER = "vllm_cpu_vec"
+
+
+def _model(layers: int) -> ModelSpec:
+    return ModelSpec("smol-like", 3, 64, "float32", (FullAttention(),), (0,) * layers)
+
+
+class Pair:
+    def __init__(self, p_kbs: int, d_kbs: int, layers: int = 4, staging_mib: int = 256,
+                 p_blocks: int = 64, d_blocks: int = 64) -> None:
+        self.model = _model(layers)
+        self.p_kbs, self.d_kbs = p_kbs, d_kbs
+        self.p_mem = real_worker(self.model, 1, 0, p_kbs, p_kbs, p_blocks, seed=1, page_order=ORDER)
+        self.d_mem = real_worker(self.model, 1, 0, d_kbs, d_kbs, d_blocks, seed=2, page_order=ORDER)
+        self.p = NixlWorker(ConnectorConfig("P", side_channel_port=0), self.model, 1, 0, p_kbs, p_kbs,
+                            p_blocks, page_order=ORDER)
+        self.d = NixlWorker(ConnectorConfig("D", side_channel_port=0, staging_mib=staging_mib,
+                                            stall_timeout_s=3.0), self.model, 1, 0, d_kbs, d_kbs,
+                            d_blocks, page_order=ORDER)
+        self.p.register_kv_caches(*region_sizes(self.p_mem))
+        self.d.register_kv_caches(*region_sizes(self.d_mem))
+        self.rng = np.random.default_rng(7)
+        self.free_p = list(self.rng.permutation(p_blocks))  # disjoint blocks per request
+        self.free_d = list(self.rng.permutation(d_blocks))
+
+    def close(self) -> None:
+        self.d.shutdown()
+        self.p.shutdown()
+
+    def request(self, rid: str, shipped: int, computed: int = 0, mode: str = "pull",
+                p_ids: np.ndarray | None = None, d_ids: np.ndarray | None = None) -> dict:
+        prompt = shipped + 1
+        if p_ids is None:
+            p_ids = np.array([self.free_p.pop() for _ in range(-(-prompt // self.p_kbs))], dtype=np.int64)
+        if d_ids is None:
+            d_ids = np.array([self.free_d.pop() for _ in range(-(-prompt // self.d_kbs))], dtype=np.int64)
+        logical = sim.make_logical(self.model, shipped, self.rng)
+        sim.store(self.p_mem, logical, [p_ids], [np.arange(shipped)])
+        self.p.start_load_kv(StepMetadata(saves=[{"request_id": f"p-{rid}", "block_ids": [p_ids.tolist()]}]))
+        tail = d_ids[computed // self.d_kbs:]
+        assert computed % self.d_kbs == 0
+        return {
+            "entry": {
+                "request_id": rid, "remote_request_id": f"p-{rid}", "remote_engine_id": "P",
+                "remote_host": "127.0.0.1", "remote_port": self.p.side_channel_port, "remote_tp_size": 1,
+                "remote_block_ids": [p_ids.tolist()], "transfer_mode": mode,
+                "local_block_ids": [d_ids.tolist()], "local_computed_tokens": computed,
+                "num_tokens": shipped,
+            },
+            "logical": logical, "tail": tail, "shipped": shipped, "computed": computed,
+        }
+
+    def check(self, req: dict) -> None:
+        tokens = [np.arange(req["computed"], req["shipped"])]
+        got = sim.load(self.d_mem, [req["tail"]], tokens, req["computed"])
+        want = sim.expected_for(self.d_mem, req["logical"], tokens)
+        for layer, rows in want.rows.items():
+            np.testing.assert_array_equal(got.rows[layer], rows, err_msg=f"layer {layer}")
+
+
+def _finished(outs: list, rids: set[str]) -> bool:
+    return rids <= set().union(*(o.finished_recving | o.failed_recving for o in outs))
+
+
+@pytest.mark.parametrize(("p_kbs", "d_kbs", "layers"), [(32, 128, 4), (128, 32, 4), (32, 128, 1), (64, 16, 2)])
+def test_staged_pull_is_exact_and_frees_everything(p_kbs: int, d_kbs: int, layers: int) -> None:
+    pair = Pair(p_kbs, d_kbs, layers)
+    try:
+        reqs = [pair.request("a", 300), pair.request("b", 9), pair.request("c", 257, computed=2 * d_kbs)]
+        before = pair.d_mem.data.copy()
+        pair.d.start_load_kv(StepMetadata(loads=[r["entry"] for r in reqs]))
+        outs = poll_until([pair.d, pair.p], lambda o: _finished(o, {"a", "b", "c"})
+                          and {"p-a", "p-b", "p-c"} <= set().union(*(x.finished_sending for x in o)))
+        assert not any(o.failed_recving for o in outs), [o.load_failures for o in outs]
+        for r in reqs:
+            pair.check(r)
+        dest = [np.concatenate([r["tail"] for r in reqs])]
+        outside = ~sim.destination_mask(pair.d_mem, dest)
+        assert np.array_equal(pair.d_mem.data[outside], before[outside]), "bytes outside D's blocks changed"
+        figures = {rid: f for o in outs for rid, f in o.transfer_figures.items()}
+        assert all("kv_relayout_s" in figures[r] for r in "abc")
+        per_token = 3 * 2 * 64 * 4 * layers
+        assert figures["c"]["kv_bytes"] < (257 - 2 * d_kbs + 2 * p_kbs) * per_token  # only the tail moved
+        stats = pair.d.get_stats()["counters"]
+        assert stats["staged_loads_total"] == 3 and stats["relayout_bytes_total"] >= (300 + 9 + 1) * per_token
+        # whole pages: at most one descriptor per layer and P page
+        assert figures["a"]["kv_descriptors"] <= layers * -(-301 // p_kbs)
+        (pool,) = pair.d._staging.values()
+        assert pool.free == pool.slots, "staging slots not given back"
+        assert not pair.p.leases.leases and not pair.d.has_inflight()
+    finally:
+        pair.close()
+
+
+def test_push_between_kernel_block_sizes_runs_as_a_staged_pull() -> None:
+    pair = Pair(32, 128)
+    try:
+        req = pair.request("push", 200, mode="push")
+        pair.d.start_load_kv(StepMetadata(loads=[req["entry"]]))
+        outs = poll_until([pair.d, pair.p], lambda o: _finished(o, {"push"})
+                          and "p-push" in set().union(*(x.finished_sending for x in o)))
+        assert not any(o.failed_recving for o in outs)
+        pair.check(req)
+        counters = pair.d.get_stats()["counters"]
+        assert counters["push_as_staged_pull_total"] == 1 and counters["staged_loads_total"] == 1
+    finally:
+        pair.close()
+
+
+def test_loads_wait_for_staging_slots_then_run() -> None:
+    """More loads than the staging area holds at once wait for slots, then all complete exactly."""
+    model_page = 3 * 32 * 2 * 64 * 4 * 4  # one P page over the 4 layers
+    pages = 14
+    mib = -(-pages * model_page // 2**20)
+    pair = Pair(32, 128, staging_mib=mib)
+    try:
+        (pool_slots,) = {pair.d.staging_for(32).slots}
+        per_load = -(-201 // 32)
+        count = pool_slots // per_load + 2  # more than fit at once
+        reqs = [pair.request(f"w{i}", 200) for i in range(count)]
+        pair.d.start_load_kv(StepMetadata(loads=[r["entry"] for r in reqs]))
+        rids = {f"w{i}" for i in range(count)}
+        outs = poll_until([pair.d, pair.p], lambda o: _finished(o, rids), timeout_s=20)
+        assert not any(o.failed_recving for o in outs), [o.load_failures for o in outs]
+        for r in reqs:
+            pair.check(r)
+        assert pair.d.staging_for(32).free == pool_slots
+    finally:
+        pair.close()
+
+
+def test_a_load_larger_than_the_staging_area_fails_clearly() -> None:
+    pair = Pair(32, 128, staging_mib=1)  # 1 MiB: 5 P pages of 32 tokens over 4 layers
+    try:
+        req = pair.request("big", 600)
+        pair.d.start_load_kv(StepMetadata(loads=[req["entry"]]))
+        outs = poll_until([pair.d], lambda o: _finished(o, {"big"}))
+        failures = {rid: f for o in outs for rid, f in o.load_failures.items()}
+        assert "raise staging_mib" in failures["big"].reason and "staging pages" in failures["big"].reason
+        assert not failures["big"].bad_params
+        assert pair.d.staging_for(32).free == pair.d.staging_for(32).slots
+    finally:
+        pair.close()
+
+
+def test_hostile_token_count_is_bad_params_not_an_allocation() -> None:
+    pair = Pair(32, 128)
+    try:
+        req = pair.request("evil", 100)
+        req["entry"]["num_tokens"] = 2**60
+        pair.d.start_load_kv(StepMetadata(loads=[req["entry"]]))
+        outs = poll_until([pair.d], lambda o: _finished(o, {"evil"}))
+        failures = {rid: f for o in outs for rid, f in o.load_failures.items()}
+        assert failures["evil"].bad_params, failures["evil"]
+    finally:
+        pair.close()
