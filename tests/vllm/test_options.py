@@ -94,12 +94,13 @@ def test_unknown_isa_is_refused_naming_it() -> None:
         layer_index("lm_head")
 
 
-def test_agent_settings_default_to_a_patched_progress_thread() -> None:
+def test_agent_settings_default_to_no_progress_thread() -> None:
     from kvlink.integrations.vllm.options import agent_config, metrics_port
 
     default = agent_config({})
-    assert default.progress_thread and default.progress_delay_us == 10_000
-    assert not agent_config({"nixl_progress_thread": False}).progress_thread
+    assert not default.progress_thread and default.progress_delay_us == 10_000
+    on = agent_config({"nixl_progress_thread": True, "nixl_progress_delay_us": 500})
+    assert on.progress_thread and on.progress_delay_us == 500
     assert metrics_port({}) is None and metrics_port({"metrics_port": 7000}) == 7000
     for bad in ({"nixl_progress_thread": "yes"}, {"nixl_progress_delay_us": 0}, {"metrics_port": 0},
                 {"metrics_port": "80"}):

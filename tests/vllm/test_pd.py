@@ -72,15 +72,18 @@ class PD:
             "model": self.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
             "ignore_eos": True, "kv_transfer_params": params})
 
-    def run(self, p: Service, d: Service, prompt: str, mode: str | None = None) -> tuple[str, float]:
-        """Text D answers after P prefilled, and the KV bytes D's connector reported loading."""
+    def run(self, p: Service, d: Service, prompt: str, mode: str | None = None,
+            d_reads: bool | None = None) -> tuple[str, float]:
+        """Text D answers after P prefilled, and the KV bytes D's connector reported loading
+        (`d_reads`: D posts the transfer; default: unless in push mode)."""
         before = vllm_metric(d, "vllm:kvlink_bytes_transferred_sum")
         count = vllm_metric(d, "vllm:kvlink_bytes_transferred_count")
         resp = self.decode(d, prompt, self.prefill(p, prompt, mode))
         assert resp.status_code == 200, resp.text
         # Stats reach the API server with the next engine step. In push mode P's stats count the
         # bytes (it posts the WRITEs); D's count nothing.
-        deadline = time.monotonic() + (0 if mode == "push" else 5)
+        d_reads = mode != "push" if d_reads is None else d_reads
+        deadline = time.monotonic() + (5 if d_reads else 0)
         while vllm_metric(d, "vllm:kvlink_bytes_transferred_count") == count and time.monotonic() < deadline:
             time.sleep(0.1)
         return str(resp.json()["choices"][0]["text"]), vllm_metric(d, "vllm:kvlink_bytes_transferred_sum") - before
@@ -111,6 +114,13 @@ def wait_idle(pd: PD, server: Service, name: str, within_s: float) -> float:
         time.sleep(0.25)
 
 
+def worker_counter(pd: PD, name: str, counter: str) -> float:
+    """A kvlink counter from the worker's own /metrics (rank 0)."""
+    text = httpx.get(f"http://127.0.0.1:{pd.metrics_ports[name]}/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(f"kvlink_{counter} ") or line.startswith(f"kvlink_{counter}{{"))
+
+
 def workers_of(server: Service) -> list[psutil.Process]:
     return [p for p in psutil.Process(server.proc.pid).children(recursive=True) if "Worker" in p.name()]
 
@@ -118,7 +128,8 @@ def workers_of(server: Service) -> list[psutil.Process]:
 def reference_prompts() -> list[str]:
     """Every prompt whose answer a test compares with colocated vLLM (tags first: no shared prefixes)."""
     prompts = [f"({tag}) {p}" for tag in ("128->128", "push 128->128") for p in PROMPTS]
-    prompts += [f"({tag}) {p}" for tag in ("32->128", "128->32") for p in PROMPTS[:2]]
+    prompts += [f"({tag}) {p}" for tag in ("32->128", "128->32") for p in PROMPTS]
+    prompts += [f"(push {tag}) {PROMPTS[i]}" for tag in ("32->128", "128->32") for i in (1, 3)]
     prompts += [f"(via {kind}) {PROMPTS[i]}" for kind in ("kvlink", "vllm-router") for i in (0, 2)]
     prompts += ["(prefix) " + PROMPTS[3], "(frozen, recompute) " + PROMPTS[2], "(killed, recompute) " + PROMPTS[1]]
     return prompts
@@ -180,11 +191,11 @@ def pd(vllm_servers: VllmServers, smollm2_dir: Path, colocated: Colocated) -> It
 
 
 def shipped_bytes(pd: PD, prompt: str, p_block: int, d_block: int) -> int:
-    """KV bytes D loads for a fresh prompt: whole D blocks (equal sizes) or chunks of the smaller."""
+    """KV bytes D reads for a fresh prompt: whole blocks; between different block sizes whole P
+    blocks, read into D's staging pages and re-laid out there."""
     tokens = len(httpx.post(pd.b.url + "/tokenize", json={"model": pd.model, "prompt": prompt}, timeout=10)
                  .json()["tokens"])
-    unit = d_block if p_block == d_block else min(p_block, d_block)
-    return -(-(tokens - 1) // unit) * unit * PAGE_BYTES_PER_TOKEN  # D recomputes the last token
+    return -(-(tokens - 1) // p_block) * p_block * PAGE_BYTES_PER_TOKEN  # D recomputes the last token
 
 
 @pytest.mark.parametrize("index", range(len(PROMPTS)))
@@ -195,17 +206,10 @@ def test_same_block_size_equals_colocated(pd: PD, colocated: Colocated, index: i
     assert nbytes == shipped_bytes(pd, prompt, 128, 128)
 
 
-# Between different block sizes a 32-token chunk of SmolLM2 is 5,850 descriptors (K is
-# transposed inside vLLM's CPU blocks): the ~150, ~300 and ~600 token prompts are 30-130 k
-# descriptors, which took 6-9 s on this 2-core machine under the full suite's load, past the
-# stall deadline the fault tests need. Longer prompts both ways run in BENCHMARKS.md's bench
-# (256-token prompts, answers compared with colocated) and in `kvlink bench vllm`.
-# Not in `make test`: the first handshake between P and D of different block sizes builds and
-# prepares the pool-wide plan (4.3 M descriptors per side), and under the suite's load it ran
-# past the handshake deadline (docs/vllm.md, Limits). `make test-vllm-opt-in` runs it.
-@pytest.mark.vllm_opt_in
+# Between different block sizes D reads whole P blocks into staging pages and re-lays them
+# out (K is transposed inside vLLM's CPU blocks, so token slices of a block are not runs).
 @pytest.mark.parametrize("direction", ["32->128", "128->32"])
-@pytest.mark.parametrize("index", range(2))
+@pytest.mark.parametrize("index", range(len(PROMPTS)))
 def test_different_block_sizes_equal_colocated(pd: PD, colocated: Colocated, direction: str, index: int) -> None:
     p, d, sizes = (pd.c, pd.b, (32, 128)) if direction == "32->128" else (pd.a, pd.c, (128, 32))
     prompt = f"({direction}) " + PROMPTS[index]
@@ -214,15 +218,28 @@ def test_different_block_sizes_equal_colocated(pd: PD, colocated: Colocated, dir
     assert nbytes == shipped_bytes(pd, prompt, *sizes)
 
 
-# Push between different block sizes is left out: P then builds its writer plan over D's whole
-# pool at the first push (4.3 M descriptors for SmolLM2 32 -> 128), which takes longer than the
-# stall deadline on this shared 2-core machine (see docs/vllm.md, Limits).
-@pytest.mark.parametrize("pair", ["128->128"])
 @pytest.mark.parametrize("index", range(len(PROMPTS)))
-def test_push_mode_equals_colocated(pd: PD, colocated: Colocated, pair: str, index: int) -> None:
-    p = pd.a
-    prompt = f"(push {pair}) " + PROMPTS[index]
-    assert pd.run(p, pd.b, prompt, mode="push")[0] == colocated(prompt)
+def test_push_mode_equals_colocated(pd: PD, colocated: Colocated, index: int) -> None:
+    prompt = "(push 128->128) " + PROMPTS[index]
+    assert pd.run(pd.a, pd.b, prompt, mode="push")[0] == colocated(prompt)
+
+
+# P's WRITE cannot re-layout between block sizes: D turns the push into a staged pull, which
+# its connector counts (push_as_staged_pull_total on the worker's /metrics).
+@pytest.mark.parametrize("direction", ["32->128", "128->32"])
+@pytest.mark.parametrize("index", [1, 3])
+def test_push_between_block_sizes_equals_colocated(pd: PD, colocated: Colocated, direction: str,
+                                                   index: int) -> None:
+    p, d, name = (pd.c, pd.b, "b") if direction == "32->128" else (pd.a, pd.c, "c")
+    prompt = f"(push {direction}) " + PROMPTS[index]
+    before = worker_counter(pd, name, "push_as_staged_pull_total")
+    text, nbytes = pd.run(p, d, prompt, mode="push", d_reads=True)
+    assert text == colocated(prompt)
+    deadline = time.monotonic() + 5  # the worker's counters reach its /metrics with the next step
+    while worker_counter(pd, name, "push_as_staged_pull_total") == before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert worker_counter(pd, name, "push_as_staged_pull_total") == before + 1
+    assert nbytes == shipped_bytes(pd, prompt, int(direction.split("->")[0]), int(direction.split("->")[1]))
 
 
 def test_d_prefix_hit_moves_only_the_tail(pd: PD, colocated: Colocated) -> None:

@@ -8,6 +8,7 @@ may have restarted) or after `engine_ttl_s` without use.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +34,7 @@ class EngineDirectory:
         self.config, self.stats = config, stats
         self.handshakes = HandshakeRunner(config.handshake_timeout_s, config.secret)
         self.engines: dict[str, RemoteEngine] = {}
+        self._asked: dict[Key, float] = {}
 
     def known(self, entry: dict[str, Any]) -> bool:
         return entry["remote_engine_id"] in self.engines or self.handshakes.pending(engine_key(entry))
@@ -48,6 +50,7 @@ class EngineDirectory:
                                        entry["remote_tp_size"]).notify_ranks
             self.handshakes.request(key, entry["remote_host"], entry["remote_port"],
                                     entry["remote_engine_id"], ranks)
+            self._asked[key] = time.monotonic()
         return None
 
     def collect(self, agent: NixlAgent, local: WorkerGeometry,
@@ -58,6 +61,8 @@ class EngineDirectory:
         restarting, not answering), which a retry through another P may not meet."""
         for key, result in self.handshakes.take_done():
             engine_id = str(key[0]) if isinstance(key, tuple) else str(key)
+            asked = self._asked.pop(key, None)  # type: ignore[call-overload]
+            fetched = time.monotonic()
             if isinstance(result, BaseException):
                 self.stats.count("failed_handshakes_total")
                 log.warning("handshake with engine %s failed: %s", engine_id, result)
@@ -65,7 +70,16 @@ class EngineDirectory:
                 on_failure(engine_id, f"handshake failed: {result}", wrong_engine)
                 continue
             try:
-                self.engines[engine_id] = connect_reader(agent, local, engine_id, result, staging_for)
+                engine = connect_reader(agent, local, engine_id, result, staging_for)
+                self.engines[engine_id] = engine
+                assert engine.plan is not None
+                log.info("connected to engine %s: handshake %.0f ms, plan and prepare %.0f ms (%d local, "
+                         "%d remote descriptors%s)", engine_id,
+                         1e3 * (fetched - asked) if asked is not None else -1.0,
+                         1e3 * (time.monotonic() - fetched),
+                         sum(len(s.local_descs) for s in engine.plan.sources),
+                         sum(len(s.remote_descs) for s in engine.plan.sources),
+                         ", staged" if engine.staged is not None else "")
             except Exception as exc:  # incompatible layout, NIXL refusal: fail its requests, keep serving
                 self.stats.count("refused_peers_total")
                 log.error("refusing engine %s: %s", engine_id, exc)

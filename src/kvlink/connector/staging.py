@@ -9,6 +9,7 @@ a frozen peer may still deliver into them.
 from __future__ import annotations
 
 import ctypes
+import mmap
 from collections import deque
 from collections.abc import Sequence
 
@@ -20,9 +21,19 @@ from kvlink.layout.relayout import RunArray, copy_token_runs
 from kvlink.plan.staged import staging_geometry, staging_page_bytes
 from kvlink.transfer.agent import NixlAgent
 
-ALIGN = 4096
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 Pages = npt.NDArray[np.generic]
+
+
+def populated_bytes(nbytes: int) -> tuple[mmap.mmap, npt.NDArray[np.uint8]]:
+    """Page-aligned anonymous memory with every page already mapped: a READ into pages the
+    kernel has yet to fault in ran 10x slower here (35 ms instead of 4 for 5.9 MB)."""
+    populate = getattr(mmap, "MAP_POPULATE", 0)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
+    data = np.frombuffer(region, dtype=np.uint8)
+    if not populate:
+        data.fill(0)
+    return region, data
 
 
 def _bytes_at(address: int, nbytes: int) -> npt.NDArray[np.uint8]:
@@ -85,9 +96,7 @@ class StagingPool:
         layers = len(local.attention_regions)
         layer_bytes = self.slots * (slot_bytes // layers)
         total = layer_bytes * layers
-        self._raw = np.empty(total + ALIGN, dtype=np.uint8)  # untouched until a READ lands
-        shift = (-self._raw.ctypes.data) % ALIGN
-        self._data = self._raw[shift:shift + total]
+        self._map, self._data = populated_bytes(total)
         start = int(self._data.ctypes.data)
         self.geometry = staging_geometry(local, remote_kernel_block_size, self.slots,
                                          [start + i * layer_bytes for i in range(layers)])

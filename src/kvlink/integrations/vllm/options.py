@@ -31,13 +31,14 @@ def metrics_port(extra: Mapping[str, Any] | None) -> int | None:
 
 
 def agent_config(extra: Mapping[str, Any] | None) -> AgentConfig:
-    """The worker's NIXL agent settings. Inside vLLM the progress thread is on by default: UCX
-    then progresses transfers and notifications while the engine is busy in a forward pass or
-    idle between steps (kvlink's own engine polls instead). Its poll timeout is patched from
-    NIXL's 0 (a core spinning at 100 %) to `nixl_progress_delay_us` (default 10 ms; wake-ups
-    stay event-driven, so this is an upper bound on latency only when events are missed)."""
+    """The worker's NIXL agent settings. Inside vLLM the progress thread is off by default:
+    the worker drives UCX when it polls (every engine step, and vLLM keeps stepping an engine
+    while kvlink holds leases or waits for loads). With the thread on (its poll timeout
+    patched from NIXL's 0 to `nixl_progress_delay_us`), it still spun a core whenever a peer
+    connection had work in flight, and it inherits the worker's pinned core: a P worker and a
+    D worker pinned to one core then starved the D until P's lease ran out (docs/vllm.md)."""
     values = extra or {}
-    thread = values.get("nixl_progress_thread", True)
+    thread = values.get("nixl_progress_thread", False)
     delay = values.get("nixl_progress_delay_us", 10_000)
     if not isinstance(thread, bool):
         raise BadExtraConfig(f"kvlink: nixl_progress_thread must be true or false, got {thread!r}")

@@ -94,8 +94,9 @@ class WorkerSide:
             return WorkerOutput()
         out = self.core.get_finished()
         for rid, fig in out.transfer_figures.items():
-            log.info("kvlink load %s: %d bytes in %.2f ms (%d descriptors)", rid, int(fig.get("kv_bytes", 0)),
-                     1e3 * float(fig.get("kv_transfer_s", 0.0)), int(fig.get("kv_descriptors", 0)))
+            relayout = (f", re-laid out in {1e3 * fig['kv_relayout_s']:.2f} ms" if "kv_relayout_s" in fig else "")
+            log.info("kvlink load %s: %d bytes in %.2f ms (%d descriptors%s)", rid, int(fig.get("kv_bytes", 0)),
+                     1e3 * float(fig.get("kv_transfer_s", 0.0)), int(fig.get("kv_descriptors", 0)), relayout)
         for rid in out.finished_sending:
             log.info("kvlink send %s: done, blocks released", rid)
         for rid, failure in out.load_failures.items():
