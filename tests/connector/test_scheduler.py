@@ -73,12 +73,16 @@ def test_decode_loads_missing_tokens_only() -> None:
 
 
 def test_full_local_hit_only_notifies() -> None:
-    s = NixlScheduler(unsigned("D"), tp_size=1)
+    now = [100.0]
+    s = NixlScheduler(unsigned("D", handshake_timeout_s=3.0), tp_size=1, clock=lambda: now[0])
     req = RequestView("d1", list(range(17)), p_params())
     s.on_new_request(req)
     assert s.get_num_new_matched_tokens(req, 16) == (0, False)
     step = s.build_step_metadata()
     assert not step.loads and [n["remote_request_id"] for n in step.notify_only] == ["p-1"]
+    # the workers may have to handshake with P first: the engine keeps stepping, for a bounded time
+    assert s.has_pending_work()
+    now[0] += 3.0 + 2.0
     assert not s.has_pending_work()
 
 

@@ -1,12 +1,14 @@
 """kvlink inside vLLM, real processes: vLLM P → vLLM D equals vLLM colocated, token for token.
 
-Three kvlink servers share the module (all `kv_both`, SmolLM2-135M fp32):
-  A: block 128, core 0          B: block 128, core 1, policy fail
-  C: block 32,  core 1, policy recompute
-A→B is the same block size, C→B is 32 → 128 and A→C is 128 → 32 (the two cases vLLM's
-NixlConnector corrupts or refuses). Pull and push modes, D prefix hits (bytes from the
-connector's own stats on D's /metrics), kvlink's proxy and vllm-router in front. The fault
-tests come last: they freeze and kill servers.
+Four kvlink servers share the module (all `kv_both`, SmolLM2-135M fp32):
+  A: block 128, core 0, policy fail        B: block 128, core 1, policy fail
+  C: block 32,  core 0, policy recompute   E: block 32,  core 1, policy fail
+A→B is the same block size, C→B is 32 → 128 and A→E is 128 → 32 (the two cases vLLM's
+NixlConnector corrupts or refuses): every P → D pair crosses cores, because a P holding a
+lease keeps its engine stepping and vLLM's worker busy-polls meanwhile, which starved a D
+worker pinned to the same core (docs/vllm.md, CPU use). Pull and push modes, D prefix hits
+(bytes from the connector's own stats on D's /metrics), kvlink's proxy and vllm-router in
+front. The fault tests come last: they freeze and kill servers.
 """
 
 from __future__ import annotations
@@ -51,8 +53,9 @@ PAGE_BYTES_PER_TOKEN = 30 * 3 * 2 * 64 * 4  # SmolLM2: 30 layers, 3 KV heads, K 
 class PD:
     """The module's servers and how to drive them."""
 
-    def __init__(self, a: Service, b: Service, c: Service, ports: dict[str, int], model: str) -> None:
-        self.a, self.b, self.c = a, b, c
+    def __init__(self, a: Service, b: Service, c: Service, e: Service, ports: dict[str, int],
+                 model: str) -> None:
+        self.a, self.b, self.c, self.e = a, b, c, e
         self.metrics_ports = ports
         self.model = model
 
@@ -173,7 +176,7 @@ def test_unknown_extra_config_key_refuses_to_start(vllm_servers: VllmServers, sm
 @pytest.fixture(scope="module")
 def pd(vllm_servers: VllmServers, smollm2_dir: Path, colocated: Colocated) -> Iterator[PD]:
     secret = new_secret()
-    ports = {name: vllm_servers.side_channel_port() + 40 for name in "abc"}
+    ports = {name: vllm_servers.side_channel_port() + 40 for name in "abce"}
 
     def spec(name: str, block: int, cores: str, policy: str) -> VllmServerSpec:
         config = kvlink_transfer_config(vllm_servers.side_channel_port(), lease_s=LEASE_S,
@@ -184,10 +187,10 @@ def pd(vllm_servers: VllmServers, smollm2_dir: Path, colocated: Colocated) -> It
                               enforce_eager=True,
                               kv_transfer_config=config, env={"KVLINK_SECRET": secret}, name=f"kvlink-{name}")
 
-    a, b, c = vllm_servers.start(spec("a", 128, "0", "fail"), spec("b", 128, "1", "fail"),
-                                 spec("c", 32, "1", "recompute"))
-    yield PD(a, b, c, ports, served_model(a.url))
-    vllm_servers.stop(a, b, c)
+    a, b, c, e = vllm_servers.start(spec("a", 128, "0", "fail"), spec("b", 128, "1", "fail"),
+                                    spec("c", 32, "0", "recompute"), spec("e", 32, "1", "fail"))
+    yield PD(a, b, c, e, ports, served_model(a.url))
+    vllm_servers.stop(a, b, c, e)
 
 
 def shipped_bytes(pd: PD, prompt: str, p_block: int, d_block: int) -> int:
@@ -211,7 +214,7 @@ def test_same_block_size_equals_colocated(pd: PD, colocated: Colocated, index: i
 @pytest.mark.parametrize("direction", ["32->128", "128->32"])
 @pytest.mark.parametrize("index", range(len(PROMPTS)))
 def test_different_block_sizes_equal_colocated(pd: PD, colocated: Colocated, direction: str, index: int) -> None:
-    p, d, sizes = (pd.c, pd.b, (32, 128)) if direction == "32->128" else (pd.a, pd.c, (128, 32))
+    p, d, sizes = (pd.c, pd.b, (32, 128)) if direction == "32->128" else (pd.a, pd.e, (128, 32))
     prompt = f"({direction}) " + PROMPTS[index]
     text, nbytes = pd.run(p, d, prompt)
     assert text == colocated(prompt)
@@ -230,7 +233,7 @@ def test_push_mode_equals_colocated(pd: PD, colocated: Colocated, index: int) ->
 @pytest.mark.parametrize("index", [1, 3])
 def test_push_between_block_sizes_equals_colocated(pd: PD, colocated: Colocated, direction: str,
                                                    index: int) -> None:
-    p, d, name = (pd.c, pd.b, "b") if direction == "32->128" else (pd.a, pd.c, "c")
+    p, d, name = (pd.c, pd.b, "b") if direction == "32->128" else (pd.a, pd.e, "e")
     prompt = f"(push {direction}) " + PROMPTS[index]
     before = worker_counter(pd, name, "push_as_staged_pull_total")
     text, nbytes = pd.run(p, d, prompt, mode="push", d_reads=True)

@@ -58,6 +58,7 @@ class NixlScheduler(ConnectorScheduler):
         self.state_always_moves = model is not None and any(is_ssm(g) for g in model.groups)
         self.load_failure_policy = config.load_failure_policy
         self._clock = clock
+        self._notify_until = float("-inf")  # has_pending_work while workers deliver notify-only entries
         self._wall_clock = wall_clock
         self._remote: dict[str, _RemoteRequest] = {}
         self._held: set[str] = set()
@@ -145,6 +146,10 @@ class NixlScheduler(ConnectorScheduler):
         if now - self._last_heartbeat >= self.config.heartbeat_interval_s:
             self._last_heartbeat = now
             self._step.heartbeats = self._heartbeats()
+        if self._step.notify_only:
+            # The workers may first have to handshake with that P (or give up on a dead one):
+            # keep the engine stepping for as long as that can take.
+            self._notify_until = now + self.config.handshake_timeout_s + 2.0
         step, self._step = self._step, StepMetadata()
         return step
 
@@ -204,7 +209,8 @@ class NixlScheduler(ConnectorScheduler):
 
     def has_pending_work(self) -> bool:
         s = self._step
-        return bool(self._remote or self._held or s.loads or s.saves or s.notify_only or s.frees)
+        return bool(self._remote or self._held or s.loads or s.saves or s.notify_only or s.frees
+                    or self._clock() < self._notify_until)
 
     def shutdown(self) -> None:
         self._remote.clear()
