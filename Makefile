@@ -6,7 +6,7 @@ STAMP := $(VENV)/.kvlink-installed
 export UCX_NET_DEVICES ?= lo
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test test-fast test-faults test-vllm-opt-in lint typecheck bench clean venv
+.PHONY: demo test test-fast test-faults lint typecheck bench clean venv
 
 venv: $(STAMP)
 
@@ -33,7 +33,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check src tests
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q -m "not faults and not vllm_opt_in" tests
+	$(BIN)/python -m pytest -q -m "not faults" tests
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow and not faults" tests
@@ -41,8 +41,6 @@ test-fast: $(STAMP)
 test-faults: $(STAMP)
 	$(BIN)/python -m pytest -q -m faults tests
 
-test-vllm-opt-in: $(STAMP)
-	$(BIN)/python -m pytest -q -m vllm_opt_in tests/vllm
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests

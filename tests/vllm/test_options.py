@@ -110,3 +110,34 @@ def test_agent_settings_default_to_no_progress_thread() -> None:
     cfg = connector_config({"nixl_progress_delay_us": 500, "metrics_port": 7000, "lease_s": 5},
                            engine_id="e", load_failure_policy="fail")
     assert cfg.lease_s == 5.0
+
+
+def test_queue_busy_poll_defaults_to_two_ms_and_is_checked() -> None:
+    from kvlink.integrations.vllm.options import queue_busy_poll_s
+
+    assert queue_busy_poll_s({}) == 0.002
+    assert queue_busy_poll_s({"vllm_queue_busy_poll_ms": 0}) == 0.0
+    assert queue_busy_poll_s({"vllm_queue_busy_poll_ms": None}) is None  # vLLM's own 1 s
+    for bad in (-1, 1001, "2", True):
+        with pytest.raises(BadExtraConfig, match="vllm_queue_busy_poll_ms"):
+            queue_busy_poll_s({"vllm_queue_busy_poll_ms": bad})
+    with pytest.raises(BadExtraConfig, match="vllm_queue_busy_poll_ms"):
+        connector_config({"vllm_queue_busy_poll_ms": "fast"}, engine_id="e", load_failure_policy="fail")
+    connector_config({"vllm_queue_busy_poll_ms": 5}, engine_id="e", load_failure_policy="fail")
+
+
+def test_shorten_queue_spin_changes_reader_queues_only() -> None:
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+
+    from kvlink.integrations.vllm.spin import shorten_queue_spin
+
+    class Condition:
+        def __init__(self, is_reader: bool) -> None:
+            self.is_reader, self.busy_loop_s = is_reader, 1.0
+
+    reader, writer = object.__new__(MessageQueue), object.__new__(MessageQueue)
+    reader._spin_condition, writer._spin_condition = Condition(True), Condition(False)  # type: ignore[attr-defined]
+    assert shorten_queue_spin(0.002) >= 1
+    assert reader._spin_condition.busy_loop_s == 0.002  # type: ignore[attr-defined]
+    assert writer._spin_condition.busy_loop_s == 1.0  # type: ignore[attr-defined]
+    assert shorten_queue_spin(0.002) == 0, "already short: nothing to change"

@@ -28,8 +28,14 @@ from kvlink.integrations.vllm.layout import (
     UnsupportedVllmLayout,
     hybrid_model_spec,
 )
-from kvlink.integrations.vllm.options import agent_config, connector_config, metrics_port
+from kvlink.integrations.vllm.options import (
+    agent_config,
+    connector_config,
+    metrics_port,
+    queue_busy_poll_s,
+)
 from kvlink.integrations.vllm.scheduler_side import SchedulerSide
+from kvlink.integrations.vllm.spin import shorten_queue_spin
 from kvlink.integrations.vllm.stats import KvlinkPromMetrics, KvlinkStats
 from kvlink.integrations.vllm.worker_side import TORCH_DTYPES, WorkerSide
 
@@ -106,6 +112,7 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
         _route_kvlink_logs()
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None
+        self._extra = dict(transfer.kv_connector_extra_config or {})
         self.config = connector_config(
             transfer.kv_connector_extra_config, engine_id=str(transfer.engine_id),
             load_failure_policy=str(transfer.kv_load_failure_policy))
@@ -129,6 +136,7 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
             assert kv_cache_config is not None
             self._scheduler = SchedulerSide(self.config, parallel.tensor_parallel_size, model,
                                             kv_cache_config.transfer_group_ids)
+            self._shorten_queue_spin()
             _vllm_log.info("kvlink connector (scheduler) for engine %s: %s mode, policy %s, lease %.0f s, "
                            "stall deadline %.0f s", self.config.engine_id, self.config.transfer_mode,
                            self.config.load_failure_policy, self.config.lease_s, self.config.stall_timeout_s)
@@ -206,6 +214,11 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
                                     ) -> tuple[bool, dict[str, Any] | None]:
         return self._sched().request_finished(request, block_ids)
 
+    def _shorten_queue_spin(self) -> None:
+        busy_poll_s = queue_busy_poll_s(self._extra)
+        if busy_poll_s is not None:
+            shorten_queue_spin(busy_poll_s)
+
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_work()
 
@@ -215,6 +228,7 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._shorten_queue_spin()
         self._work().register_kv_caches(kv_caches, self._spec.num_kv_heads)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

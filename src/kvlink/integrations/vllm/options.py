@@ -16,7 +16,10 @@ from kvlink.transfer.agent_config import AgentConfig
 # Set by the integration from vLLM's own config, never from the extra config.
 _FROM_VLLM = ("engine_id", "load_failure_policy")
 # Extra keys that are not ConnectorConfig fields.
-EXTRA_KEYS = ("secret_file", "metrics_port", "nixl_progress_thread", "nixl_progress_delay_us")
+EXTRA_KEYS = ("secret_file", "metrics_port", "nixl_progress_thread", "nixl_progress_delay_us",
+              "vllm_queue_busy_poll_ms")
+DEFAULT_QUEUE_BUSY_POLL_MS = 2.0
+_INTEGRATION_KEYS = ("metrics_port", "nixl_progress_thread", "nixl_progress_delay_us", "vllm_queue_busy_poll_ms")
 DEFAULT_SIDE_CHANNEL_PORT = 5700
 
 
@@ -47,6 +50,20 @@ def agent_config(extra: Mapping[str, Any] | None) -> AgentConfig:
     return AgentConfig(progress_thread=thread, progress_delay_us=delay)
 
 
+def queue_busy_poll_s(extra: Mapping[str, Any] | None) -> float | None:
+    """How long vLLM's queue readers in kvlink's processes busy-poll after a message
+    (`kvlink.integrations.vllm.spin`), in seconds; None: leave vLLM's 1 s alone (the key
+    set to null)."""
+    values = extra or {}
+    if "vllm_queue_busy_poll_ms" in values and values["vllm_queue_busy_poll_ms"] is None:
+        return None
+    ms = values.get("vllm_queue_busy_poll_ms", DEFAULT_QUEUE_BUSY_POLL_MS)
+    if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not 0 <= ms <= 1000:
+        raise BadExtraConfig(f"kvlink: vllm_queue_busy_poll_ms must be a number of milliseconds in "
+                             f"[0, 1000] or null (vLLM's own 1 s), got {ms!r}")
+    return float(ms) / 1e3
+
+
 def known_keys() -> tuple[str, ...]:
     fields = [f.name for f in dataclasses.fields(ConnectorConfig) if f.name not in _FROM_VLLM]
     return tuple(sorted([*fields, *EXTRA_KEYS]))
@@ -66,11 +83,12 @@ def connector_config(
     text in JSON; `secret_file` reads it from a file; neither: `$KVLINK_SECRET`.
     """
     values = dict(extra or {})
-    for key in ("metrics_port", "nixl_progress_thread", "nixl_progress_delay_us"):
-        values.pop(key, None)  # see metrics_port() and agent_config()
+    for key in _INTEGRATION_KEYS:
+        values.pop(key, None)  # see metrics_port(), agent_config() and queue_busy_poll_s()
     unknown = sorted(set(values) - set(known_keys()))
     metrics_port(extra)
     agent_config(extra)
+    queue_busy_poll_s(extra)
     if unknown:
         raise BadExtraConfig(
             f"kvlink: unknown kv_connector_extra_config keys {unknown}; known keys: "
