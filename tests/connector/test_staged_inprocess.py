@@ -171,3 +171,27 @@ def test_hostile_token_count_is_bad_params_not_an_allocation() -> None:
         assert failures["evil"].bad_params, failures["evil"]
     finally:
         pair.close()
+
+
+def test_staging_slots_of_a_stalled_read_stay_out_of_use_until_the_quarantine_ends() -> None:
+    from kvlink.connector.staging import StagingPool
+    from kvlink.transfer.agent import NixlAgent
+
+    mem = real_worker(_model(2), 1, 0, 128, 128, 8, seed=3, page_order=ORDER)
+    page = 3 * 32 * 2 * 64 * 4 * 2  # one P page of 32 tokens over the 2 layers
+    with NixlAgent("staging-pool") as agent:
+        pool = StagingPool(mem.geometry, 32, 4 * page, agent)
+        assert pool.slots == 4 and pool.free == 4
+        held = pool.take(3, now=0.0)
+        assert held is not None and len(set(held)) == 3
+        assert pool.take(2, now=0.0) is None, "only one slot is free"
+        pool.quarantine(held, until=10.0)
+        assert pool.take(2, now=9.9) is None
+        again = pool.take(4, now=10.0)
+        assert again is not None and sorted(again) == [0, 1, 2, 3]
+        pool.give(again)
+        assert pool.free == 4
+        assert pool.pages.shape == (2, 4, 3, 2 * 32 * 64) and pool.pages.flags.writeable
+    with pytest.raises(ValueError, match="raise staging_mib"):
+        with NixlAgent("staging-small") as agent:
+            StagingPool(mem.geometry, 32, page - 1, agent)
