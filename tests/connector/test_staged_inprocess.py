@@ -192,6 +192,5 @@ def test_staging_slots_of_a_stalled_read_stay_out_of_use_until_the_quarantine_en
         pool.give(again)
         assert pool.free == 4
         assert pool.pages.shape == (2, 4, 3, 2 * 32 * 64) and pool.pages.flags.writeable
-    with pytest.raises(ValueError, match="raise staging_mib"):
-        with NixlAgent("staging-small") as agent:
-            StagingPool(mem.geometry, 32, page - 1, agent)
+    with pytest.raises(ValueError, match="raise staging_mib"), NixlAgent("staging-small") as agent:
+        StagingPool(mem.geometry, 32, page - 1, agent)

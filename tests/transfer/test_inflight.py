@@ -98,3 +98,16 @@ def test_rejects_non_positive_timeout() -> None:
     with pytest.raises(ValueError, match="stall_timeout_s"):
         InflightTracker(ScriptedAgent(), stall_timeout_s=0.0)
     assert math.isinf(Transfer("READ", "p", 1, 1, b"", 0.0, handle=None).deadline)
+
+
+def test_advance_polls_without_collecting() -> None:
+    agent = ScriptedAgent()
+    tracker = InflightTracker(agent, stall_timeout_s=2.0)
+    done, dies = make(agent, ["PROC", "DONE"]), make(agent, ["PROC", "RAISE"])
+    tracker.add(done)
+    tracker.add(dies)
+    tracker.advance()
+    tracker.advance()  # now DONE and FAILED, still tracked
+    assert done.state == "DONE" and dies.state == "FAILED" and len(tracker) == 2
+    result = tracker.poll_all(now=0.1)
+    assert result.done == [done] and result.failed == [dies] and len(tracker) == 0

@@ -284,6 +284,14 @@ class NixlWorker(ConnectorWorker):
         out, self.out = self.out, WorkerOutput()
         return out
 
+    def progress(self) -> None:
+        """Let NIXL progress between engine steps (e.g. between the layers of a forward pass),
+        so that a peer reading from us does not wait for the step to end."""
+        if self.agent is not None:
+            self.agent.progress()
+        if self.inflight is not None:
+            self.inflight.advance()
+
     def has_inflight(self) -> bool:
         return bool(self.book.loads or self._waiting or self.leases.leases)
 

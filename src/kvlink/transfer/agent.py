@@ -41,6 +41,7 @@ class NixlAgent:
         self._dlists: dict[int, PreparedList] = {}
         self._next_dlist = 1
         self._unreleased: list[Transfer] = []
+        self._pending_notifs: dict[str, list[bytes]] = {}
 
     def register_regions(self, regions: npt.ArrayLike | Sequence[tuple[int, int]]) -> int:
         """Register DRAM regions given as (addr, nbytes); returns how many were new."""
@@ -231,8 +232,18 @@ class NixlAgent:
 
     def get_notifs(self) -> dict[str, list[bytes]]:
         """Drain notifications by sender name; also drives progress without a progress thread."""
+        self.progress()
+        out, self._pending_notifs = self._pending_notifs, {}
+        return out
+
+    def progress(self) -> None:
+        """Drive UCX once (without a progress thread peers wait on it: wireups, notifications);
+        notifications that arrive are kept for the next `get_notifs`."""
         raw = self._agent.get_new_notifs()
-        return {(k.decode() if isinstance(k, bytes) else str(k)): list(v) for k, v in raw.items()}
+        for key, msgs in raw.items():
+            if msgs:
+                self._pending_notifs.setdefault(key.decode() if isinstance(key, bytes) else str(key),
+                                                []).extend(msgs)
 
     def close(self) -> None:
         """Release lists, forget peers, deregister memory; the agent is unusable afterwards."""

@@ -81,6 +81,16 @@ class InflightTracker:
         self._inflight = still
         return result
 
+    def advance(self) -> None:
+        """Poll every tracked transfer without collecting it (between engine steps): a READ
+        finishes, and its notification leaves, when it is done rather than at the next
+        `poll_all`; failures and stalls are still reported by `poll_all`."""
+        for transfer in self._inflight:
+            try:
+                self._agent.poll(transfer)
+            except TransferFailed:
+                continue
+
     def abort_all(self, reason: str) -> list[Transfer]:
         """Fail every tracked transfer (e.g. at shutdown) and return them."""
         aborted, self._inflight = self._inflight, []

@@ -237,7 +237,9 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
         self._work().start_load_kv(metadata.step)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # loads are async: a request runs only after its load has finished
+        # Loads are async (a request runs only after its load finished); the layer boundary
+        # is where the worker lets NIXL progress during a forward pass.
+        self._work().progress()
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return None  # P's blocks are read (pull) or written out (push) after the request finished
