@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 import pytest
+from vllm_client import complete, token_ids
 
 from kvlink.connector.secret import new_secret
 from kvlink.integrations.vllm.launch import VllmServerSpec, kvlink_transfer_config, served_model
@@ -24,21 +25,9 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.slow
 
-MAX_TOKENS = 16
 PROMPTS = ["The last keeper of the lighthouse was",
            " ".join(f"Note {i}: the ferry left the harbour before dawn." for i in range(16))]
 DIRECTIONS = ("32->128", "128->32")
-
-
-def complete(url: str, model: str, prompt: str, **extra: object) -> httpx.Response:
-    return httpx.post(url + "/v1/completions", timeout=120, json={
-        "model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-        "return_token_ids": True, **extra})
-
-
-def token_ids(resp: httpx.Response) -> list[int]:
-    assert resp.status_code == 200, resp.text
-    return list(resp.json()["choices"][0]["token_ids"])
 
 
 @pytest.fixture(scope="module")

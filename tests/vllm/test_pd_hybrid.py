@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import httpx
 import pytest
+from vllm_client import complete, token_ids
 
 from kvlink.connector.secret import new_secret
 from kvlink.integrations.vllm.launch import VllmServerSpec, kvlink_transfer_config, served_model
@@ -28,23 +28,11 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.slow
 
-MAX_TOKENS = 16
 HYBRID_ENV = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}
 HYBRID_ARGS = ["--no-enable-prefix-caching"]
 PROMPTS = ["The last keeper of the lighthouse was",
            " ".join(f"Line {i}: the tide came in over the rocks." for i in range(14)),
            " ".join(f"Entry {i} of the keeper's log mentions a storm." for i in range(30))]
-
-
-def complete(url: str, model: str, prompt: str, **extra: Any) -> httpx.Response:
-    return httpx.post(url + "/v1/completions", timeout=120, json={
-        "model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-        "return_token_ids": True, **extra})
-
-
-def token_ids(resp: httpx.Response) -> list[int]:
-    assert resp.status_code == 200, resp.text
-    return list(resp.json()["choices"][0]["token_ids"])
 
 
 def tagged() -> list[str]:
