@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 import pytest
-from vllm_client import complete, token_ids
+from vllm_client import complete, greedy_token_ids, token_ids
 
 from kvlink.connector.secret import new_secret
 from kvlink.integrations.vllm.launch import VllmServerSpec, kvlink_transfer_config, served_model
@@ -36,9 +36,8 @@ def references(vllm_servers: VllmServers, smollm2_dir: Path) -> dict[str, list[i
                           enforce_eager=True, name="smollm2-bf16-colocated")
     (server,) = vllm_servers.start(spec)
     try:
-        model = served_model(server.url)
-        return {f"({d}) {p}": token_ids(complete(server.url, model, f"({d}) {p}"))
-                for d in DIRECTIONS for p in PROMPTS}
+        return greedy_token_ids(server.url, served_model(server.url),
+                                [f"({d}) {p}" for d in DIRECTIONS for p in PROMPTS])
     finally:
         vllm_servers.stop(server)
 

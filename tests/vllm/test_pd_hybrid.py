@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from vllm_client import complete, token_ids
+from vllm_client import complete, greedy_token_ids, token_ids
 
 from kvlink.connector.secret import new_secret
 from kvlink.integrations.vllm.launch import VllmServerSpec, kvlink_transfer_config, served_model
@@ -50,8 +50,7 @@ def references(vllm_servers: VllmServers, hybrid_dir: Path) -> dict[str, list[in
                           env=HYBRID_ENV, args=HYBRID_ARGS, name="hybrid-colocated")
     (server,) = vllm_servers.start(spec)
     try:
-        model = served_model(server.url)
-        return {prompt: token_ids(complete(server.url, model, prompt)) for prompt in tagged()}
+        return greedy_token_ids(server.url, served_model(server.url), tagged())
     finally:
         vllm_servers.stop(server)
 

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvlink.connector.stats import TransferRecord
 from kvlink.transfer.xfer import Transfer
+
+if TYPE_CHECKING:
+    from kvlink.connector.staging import StagingPool
+    from kvlink.plan.staged import StagedRequest
 
 
 @dataclass
@@ -23,8 +27,8 @@ class Load:
     # push mode: what the sources will write, from D's own plan (P's WRITEs are not ours to count)
     push_bytes: int = 0
     push_descriptors: int = 0
-    # staged read: the engine's pool and plan request (slots to give back, runs to copy)
-    staging: Any = None
+    # staged read: the engine's staging pool and the plan request (slots to give back, runs to copy)
+    staging: tuple[StagingPool, StagedRequest] | None = None
 
     def record(self, t: Transfer) -> TransferRecord:
         return transfer_record(self.request_id, t)

@@ -47,7 +47,8 @@ class PullReader:
             return True
         load = w.book.start(rid, entry, all_blocks(entry), w.clock())
         if staged is not None:
-            load.staging = (engine, staged)
+            assert engine.pool is not None
+            load.staging = (engine.pool, staged)
         for spec in specs:
             done = encode(Done(entry["remote_request_id"], engine.expected[spec.src_rank]), w.secret)
             handles = engine.handles[spec.src_rank]
@@ -146,16 +147,16 @@ class PullReader:
         """Copy a staged load's tokens into our pages and give its slots back; seconds taken."""
         if load.staging is None:
             return None
-        engine, staged = load.staging
+        pool, staged = load.staging
         load.staging = None
         w = self.worker
         start = time.perf_counter()
         try:
             if staged.runs.size:
-                engine.pool.relayout(w.local_pages(), w.kernel_block_size, w.page_order,
-                                     w.model.head_dim, staged.runs)
+                pool.relayout(w.local_pages(), w.kernel_block_size, w.page_order, w.model.head_dim,
+                              staged.runs)
         finally:
-            engine.pool.give(staged.slots)
+            pool.give(staged.slots)
         elapsed = time.perf_counter() - start
         w.stats.count("relayout_bytes_total", staged.relayout_bytes)
         return elapsed

@@ -19,10 +19,10 @@ from kvlink.plan.staged import StagedPlan, build_staged_plan, needs_staging
 from kvlink.plan.tp_mapping import compute_tp_mapping, consumers_per_producer
 from kvlink.plan.transfer_plan import TransferPlan, build_transfer_plan
 from kvlink.transfer.agent import NixlAgent
+from kvlink.transfer.wire import PROTOCOL_VERSION, HandshakePayload
 
 if TYPE_CHECKING:
     from kvlink.connector.staging import StagingPool
-from kvlink.transfer.wire import PROTOCOL_VERSION, HandshakePayload
 
 MAX_GEOMETRY_BYTES = 1 << 20
 

@@ -225,12 +225,12 @@ class NixlWorker(ConnectorWorker):
         READ into them may still land)."""
         if load.staging is None:
             return
-        engine, staged = load.staging
+        pool, staged = load.staging
         load.staging = None
         if quarantine:
-            engine.pool.quarantine(staged.slots, self.clock() + self.config.quarantine_s)
+            pool.quarantine(staged.slots, self.clock() + self.config.quarantine_s)
         else:
-            engine.pool.give(staged.slots)
+            pool.give(staged.slots)
 
     # ---- notifications ------------------------------------------------------------------
     def notify(self, engine: RemoteEngine, entry: dict[str, Any], kind: str, only_extra: bool = False) -> None:
