@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
 from kvlink.engine.engine import LLMEngine
@@ -11,14 +9,9 @@ from kvlink.engine.models import load_model
 from kvlink.engine.request import SamplingParams
 from kvlink.engine.tp import TPModel, all_reduce, init_group, stop_followers
 from kvlink.engine.tp_worker import launch_followers
+from kvlink.procs.launcher import free_port
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def generate(engine: LLMEngine, prompt: list[int], n: int) -> list[int]:

@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from serve_fakes import FakeEngine, FakeSampling, FakeTokenizer, serve_in_thread
 
+from kvlink.procs.launcher import free_port
 from kvlink.serve.api_server import build_app
 from kvlink.serve.engine_loop import AsyncEngine
 from kvlink.serve.metrics import MetricsRegistry
@@ -209,9 +210,7 @@ def test_non_json_body_is_a_400() -> None:
 
 
 def test_proxy_cli_serves_health_and_stops_on_sigterm() -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     command = [sys.executable, "-m", "kvlink.cli.main", "proxy", "--prefill", "http://127.0.0.1:1",
                "--decode", "http://127.0.0.1:2", "http://127.0.0.1:3", "--port", str(port)]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,6 +12,8 @@ from contextlib import contextmanager
 
 import httpx
 import pytest
+
+from kvlink.procs.launcher import free_port
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
@@ -23,16 +24,10 @@ BLOCK_SIZE = 16
 MAX_MODEL_LEN = NUM_BLOCKS * BLOCK_SIZE
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextmanager
 def running_server(model: str) -> Iterator[str]:
     """`kvlink serve` as a subprocess; yields its URL once /health answers; stopped by PID."""
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, "-m", "kvlink.cli.main", "serve", "--role", "both",
                "--model", model, "--port", str(port), "--num-blocks", str(NUM_BLOCKS),
                "--block-size", str(BLOCK_SIZE), "--threads", "1", "--request-timeout-s", "20"]

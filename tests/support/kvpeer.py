@@ -35,12 +35,13 @@ from kvlink.bench.transfer_peer import (
     model_from_config,
     protocol_stream,
 )
-from kvlink.bench.transfer_proc import PeerProcess, free_port_base, peer_env, python_argv, stop_all
+from kvlink.bench.transfer_proc import PeerProcess, peer_env, python_argv, stop_all
 from kvlink.connector.api import RequestView, WorkerOutput
 from kvlink.connector.config import ConnectorConfig
 from kvlink.connector.scheduler import NixlScheduler
 from kvlink.connector.secret import SECRET_ENV, new_secret
 from kvlink.layout.spec import is_ssm
+from kvlink.procs.launcher import free_port
 
 SCRIPT = str(Path(__file__).resolve())
 SECRET = new_secret()  # every engine of a test run shares it, as one deployment's P and D do
@@ -127,7 +128,7 @@ class Engine:
     def __init__(self, engine_id: str, tp: int, log_dir: Path, env: dict[str, str] | None = None,
                  **cfg: Any) -> None:
         self.engine_id, self.tp = engine_id, tp
-        self.port = free_port_base(tp)
+        self.port = free_port(tp)
         self.cfg = {"engine_id": engine_id, "tp": tp, "port": self.port, **cfg}
         self.env = env
         self.peers: list[PeerProcess] = []

@@ -134,9 +134,9 @@ class _Ports:
 
     def take(self, span: int = 1) -> int:
         for _ in range(100):
-            port = free_port()
+            port = free_port(span)
             wanted = set(range(port, port + span))
-            if port + span - 1 <= 65535 and not wanted & self.taken:
+            if not wanted & self.taken:
                 self.taken |= wanted
                 return port
         raise RuntimeError(f"no free span of {span} loopback ports found after 100 tries")

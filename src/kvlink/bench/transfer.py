@@ -30,7 +30,6 @@ import numpy as np
 from kvlink.bench.transfer_proc import (
     PeerProcess,
     call_all,
-    free_port_base,
     peer_env,
     python_argv,
     stop_all,
@@ -53,6 +52,7 @@ from kvlink.layout.limits import (
     int_range,
 )
 from kvlink.layout.presets import preset
+from kvlink.procs.launcher import free_port
 from kvlink.transfer.framing import SECRET_ENV
 
 NODE = "kvlink.bench.transfer_node"
@@ -141,7 +141,7 @@ class _Side:
                  log_dir: Path, fill: str, env: dict[str, str], secret: str,
                  host: str = "127.0.0.1", netns: str | None = None) -> None:
         self.engine_id, self.tp = engine_id, tp
-        self.port = free_port_base(tp)
+        self.port = free_port(tp)
         prefix = ["ip", "netns", "exec", netns] if netns else []
         # In a namespace UCX uses the link the side channel is on, nothing else.
         self.netns_device = (netns, device_of(netns, host)) if netns else None

@@ -12,9 +12,7 @@ import contextlib
 import json
 import os
 import queue
-import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,25 +26,6 @@ _EOF = object()
 
 class PeerError(RuntimeError):
     """A peer answered with an error, died, or did not answer in time."""
-
-
-def free_port_base(count: int, lo: int = 20000, hi: int = 60000, tries: int = 200) -> int:
-    """A base port with `count` consecutive free loopback ports (rank r listens on base + r)."""
-    for _ in range(tries):
-        base = random.randrange(lo, hi - count)
-        socks: list[socket.socket] = []
-        try:
-            for port in range(base, base + count):
-                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {count} consecutive free ports found")
 
 
 def peer_env(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -15,11 +16,63 @@ from pathlib import Path
 
 import httpx
 
+# Ports this process has handed out: never twice, so two children started back to back
+# cannot be given the same one before either has bound it.
+_handed_out: set[int] = set()
+# Where listen ports are drawn from: clear of the fixed ports kvlink's tests and benches use
+# (side channels 5600-5899, vLLM servers 18300-18499, vllm-router metrics 29000).
+_LISTEN_RANGE = (20000, 28900)
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _all_free(base: int, span: int) -> bool:
+    socks: list[socket.socket] = []
+    try:
+        for port in range(base, base + span):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(s)
+            s.bind(("127.0.0.1", port))
+        return True
+    except OSError:
+        return False
+    finally:
+        for s in socks:
+            s.close()
+
+
+def free_port(span: int = 1, tries: int = 500) -> int:
+    """A loopback port (the first of `span` consecutive ones) free now, for a child to listen on.
+
+    It is drawn from below the kernel's ephemeral range: a port probed free there and bound a
+    few seconds later by a starting child could meanwhile become the local end of some
+    outgoing connection (UCX opens many). Ports already handed out by this process are
+    skipped. Falls back to a kernel-chosen port when that range is too small."""
+    ephemeral_low, ephemeral_high = _ephemeral_range()
+    low, high = _LISTEN_RANGE
+    ranges = [(lo, hi) for lo, hi in ((low, min(high, ephemeral_low)), (max(low, ephemeral_high + 1), 65536))
+              if hi - lo > 2 * span + 100]
+    for _ in range(tries):
+        if not ranges:
+            break
+        lo, hi = random.choice(ranges)
+        base = random.randrange(lo, hi - span)
+        wanted = set(range(base, base + span))
+        if wanted & _handed_out or not _all_free(base, span):
+            continue
+        _handed_out.update(wanted)
+        return base
+    if span == 1:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+    raise RuntimeError(f"no {span} consecutive free loopback ports found in {tries} tries")
 
 
 @dataclass
