@@ -118,10 +118,7 @@ def running_cluster(config: ClusterSpec, name: str, timeout_s: float = 180.0) ->
     try:
         yield c
     finally:
-        for which in ("prefill", "decode"):
-            svc = getattr(c, which)
-            if svc is not None and svc.proc.poll() is None:
-                c.signal(which, signal.SIGCONT)
+        resume_all(c)
         c.stop()
 
 
@@ -136,16 +133,33 @@ def connector(cluster: Cluster, which: str) -> dict[str, Any]:
 
 def request_parked_at_decode(cluster: Cluster, request: Callable[[], Result]) -> Callable[[float], Result]:
     """Start `request` through the proxy with D frozen, so P finishes the prefill and holds the
-    blocks while D has not started reading. Returns the join function; D is still stopped."""
+    blocks while D has not started reading. Returns the join function; D is still stopped.
+
+    "Parked" means all three: P holds a lease, the proxy has the decode leg under way, and
+    bytes wait unread in a socket of D's HTTP port."""
     cluster.signal("decode", signal.SIGSTOP)
+    proxy = url_of(cluster, "proxy")
+    join: Callable[[float], Result] | None = None
     try:
         join = in_background(request)
         wait_for(lambda: connector(cluster, "prefill")["leases"] >= 1, 20, "P holding the request")
+        wait_for(lambda: metric(proxy, "upstream_in_flight", 'side="decode"') >= 1, 20,
+                 "the proxy sending the decode leg")
         wait_for(lambda: unread_bytes(cluster.member("decode").port) > 0, 20, "the request waiting in D's socket")
-    except BaseException:
+    except BaseException as error:
         cluster.signal("decode", signal.SIGCONT)
-        raise
+        raise AssertionError(f"{error}; {_client_said(join)}; proxy log:\n"
+                             f"{cluster.service('proxy').log_tail(6)}") from None
     return join
+
+
+def _client_said(join: Callable[[float], Result] | None) -> str:
+    if join is None:
+        return "request not started"
+    try:
+        return f"client got {join(0.0)}"
+    except AssertionError:
+        return "client still waiting"
 
 
 def unread_bytes(port: int) -> int:
@@ -165,7 +179,16 @@ def read_posted_against_frozen_p(cluster: Cluster, request: Callable[[], Result]
     try:
         wait_for(lambda: connector(cluster, "decode")["open_transfers"] >= 1, 10, "D's READ in flight")
     except AssertionError as error:
-        assert cluster.decode is not None
-        raise AssertionError(f"{error}; D state {cluster.state('decode')}; D log:\n"
-                             f"{cluster.decode.log_tail(8)}") from None
+        cluster.signal("prefill", signal.SIGCONT)  # the next cases need a live P
+        raise AssertionError(f"{error}; D state {cluster.state('decode')}; {_client_said(join)}; "
+                             f"D log:\n{cluster.service('decode').log_tail(8)}\nproxy log:\n"
+                             f"{cluster.service('proxy').log_tail(6)}") from None
     return join
+
+
+def resume_all(cluster: Cluster) -> None:
+    """SIGCONT every live engine: a case that failed half-way may have left one stopped."""
+    for which in ("prefill", "decode"):
+        svc = getattr(cluster, which)
+        if svc is not None and svc.proc.poll() is None:
+            cluster.signal(which, signal.SIGCONT)

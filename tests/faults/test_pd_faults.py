@@ -31,6 +31,7 @@ from pd_faults import (
     prompt_of,
     read_posted_against_frozen_p,
     request_parked_at_decode,
+    resume_all,
     run_stream,
     running_cluster,
     url_of,
@@ -57,6 +58,12 @@ def cluster() -> Iterator[Cluster]:
     config = fault_spec(num_blocks=NUM_BLOCKS, lease_s=LEASE_S, stall_timeout_s=STALL_S,
                         quarantine_s=QUARANTINE_S, env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"})
     yield from running_cluster(config, "kvlink-faults")
+
+
+@pytest.fixture(autouse=True)
+def _engines_running(cluster: Cluster) -> None:
+    """A case that failed half-way must not leave the next one facing a stopped engine."""
+    resume_all(cluster)
 
 
 

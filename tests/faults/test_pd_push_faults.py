@@ -25,6 +25,7 @@ from pd_faults import (
     metric,
     prompt_of,
     request_parked_at_decode,
+    resume_all,
     run_stream,
     running_cluster,
     url_of,
@@ -51,6 +52,12 @@ def cluster() -> Iterator[Cluster]:
                         quarantine_s=QUARANTINE_S, env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"},
                         transfer_mode="push")
     yield from running_cluster(config, "kvlink-push-faults")
+
+
+@pytest.fixture(autouse=True)
+def _engines_running(cluster: Cluster) -> None:
+    """A case that failed half-way must not leave the next one facing a stopped engine."""
+    resume_all(cluster)
 
 
 

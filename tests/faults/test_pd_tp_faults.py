@@ -22,6 +22,7 @@ from pd_faults import (
     fault_spec,
     prompt_of,
     request_parked_at_decode,
+    resume_all,
     run_stream,
     running_cluster,
     url_of,
@@ -46,6 +47,12 @@ def cluster() -> Iterator[Cluster]:
                         quarantine_s=3.0, env={"UCX_NET_DEVICES": "lo"}, prefill_tp=2,
                         prefill_args=["--tp-step-timeout-s", str(STEP_TIMEOUT_S)])
     yield from running_cluster(config, "kvlink-tp-faults")
+
+
+@pytest.fixture(autouse=True)
+def _engines_running(cluster: Cluster) -> None:
+    """A case that failed half-way must not leave the next one facing a stopped engine."""
+    resume_all(cluster)
 
 
 

@@ -35,10 +35,14 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import logging
+
     import uvicorn
 
     from kvlink.serve.proxy import build_proxy_app
+    from kvlink.serve.upstream import SERVER_KEEPALIVE_S
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     app = build_proxy_app(args.prefill, args.decode, timeout_s=args.timeout_s,
                           connect_timeout_s=args.connect_timeout_s)
     url = f"http://{args.host}:{args.port}"
@@ -46,5 +50,5 @@ def run(args: argparse.Namespace) -> int:
         "startup", lambda: print(f"kvlink proxy on {url}: prefill {' '.join(args.prefill)}, "
                                  f"decode {' '.join(args.decode)}", flush=True))
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
-                timeout_graceful_shutdown=5)
+                timeout_graceful_shutdown=5, timeout_keep_alive=SERVER_KEEPALIVE_S)
     return 0

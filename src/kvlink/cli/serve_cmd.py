@@ -115,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
     from kvlink.serve.engine_loop import AsyncEngine
     from kvlink.serve.factory import build_engine
     from kvlink.serve.metrics import MetricsRegistry
+    from kvlink.serve.upstream import SERVER_KEEPALIVE_S
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     if args.threads:
@@ -142,7 +143,8 @@ def run(args: argparse.Namespace) -> int:
     engine.start()
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                    access_log=False, timeout_graceful_shutdown=5)
+                    access_log=False, timeout_graceful_shutdown=5,
+                    timeout_keep_alive=SERVER_KEEPALIVE_S)
     finally:
         engine.shutdown()
         if served.close is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -27,9 +28,17 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from kvlink.serve.disconnect import unless_disconnected
 from kvlink.serve.errors import APIError, install_error_handlers
 from kvlink.serve.metrics import MetricsRegistry
-from kvlink.serve.upstream import Instance, InstancePool, status_error, transport_error
+from kvlink.serve.upstream import (
+    KEEPALIVE_EXPIRY_S,
+    Instance,
+    InstancePool,
+    status_error,
+    transport_error,
+)
 
 PREFILL_HEADER = "x-kvlink-prefill-s"
+
+logger = logging.getLogger("kvlink.proxy")
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -55,7 +64,10 @@ def build_proxy_app(
     metrics = MetricsRegistry("kvlink_proxy")
     metrics.fragments += [lambda: prefill.render("kvlink_proxy"), lambda: decode.render("kvlink_proxy")]
     timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
-    client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None))
+    # Reusing an idle connection the server is closing at that very moment loses the request
+    # ("server disconnected without sending a response"): see KEEPALIVE_EXPIRY_S.
+    limits = httpx.Limits(max_connections=None, keepalive_expiry=KEEPALIVE_EXPIRY_S)
+    client = httpx.AsyncClient(timeout=timeout, limits=limits)
     app = FastAPI(title="kvlink P/D proxy", docs_url=None, redoc_url=None)
     install_error_handlers(app)
     app.router.add_event_handler("shutdown", client.aclose)
@@ -77,6 +89,12 @@ def build_proxy_app(
                                 f"{response.text[:200]!r}", f"{side}_failed") from error
         return answer
 
+    def log_request(request_id: str, prefill_s: float | None, decode_url: str | None,
+                    started: float, outcome: str) -> None:
+        prefill = "-" if prefill_s is None else f"{prefill_s * 1e3:.1f}ms"
+        logger.info("request %s prefill=%s decode=%s total=%.1fms outcome=%s", request_id, prefill,
+                    decode_url or "-", (time.monotonic() - started) * 1e3, outcome)
+
     async def run_prefill(path: str, body: dict[str, Any],
                           headers: dict[str, str]) -> tuple[dict[str, Any], float]:
         """P's `kv_transfer_params` and the seconds the prefill leg took."""
@@ -95,6 +113,7 @@ def build_proxy_app(
     async def stream_decode(path: str, body: dict[str, Any], headers: dict[str, str],
                             started: float, prefill_s: float) -> Response:
         instance = decode.take()
+        request_id = headers["X-Request-Id"]
         sent = time.monotonic()
         try:
             request = client.build_request("POST", instance.url + path, json=body, headers=headers)
@@ -113,6 +132,7 @@ def build_proxy_app(
 
         async def passthrough() -> AsyncIterator[bytes]:
             first = True
+            outcome = "client_left"
             try:
                 async for chunk in response.aiter_raw():
                     if first:
@@ -120,9 +140,11 @@ def build_proxy_app(
                         first = False
                     yield chunk
                 metrics.inc("requests_total", outcome="ok")
+                outcome = "ok"
             except httpx.HTTPError as error:
                 api_error = transport_error("decode", instance.url, error, timeout_s)
                 metrics.inc("requests_total", outcome="decode_error")
+                outcome = f"decode_error ({api_error.message})"
                 event = json.dumps(api_error.body())  # headers are gone: the status is in the event
                 yield f"data: {event}\n\ndata: [DONE]\n\n".encode()
             finally:
@@ -132,6 +154,7 @@ def build_proxy_app(
                     await response.aclose()
                 decode.release(instance)
                 metrics.observe("total_seconds", time.monotonic() - started)
+                log_request(request_id, prefill_s, instance.url, started, outcome)
 
         return StreamingResponse(passthrough(), media_type="text/event-stream",
                                  headers={PREFILL_HEADER: f"{prefill_s:.6f}"})
@@ -144,9 +167,12 @@ def build_proxy_app(
             raise APIError(400, f"request body is not valid JSON: {error}", "invalid_json") from error
         if not isinstance(body, dict):
             raise APIError(400, "request body must be a JSON object", "invalid_json")
-        headers = {"X-Request-Id": raw.headers.get("x-request-id") or uuid.uuid4().hex}
+        request_id = raw.headers.get("x-request-id") or uuid.uuid4().hex
+        headers = {"X-Request-Id": request_id}
         if "authorization" in raw.headers:
             headers["Authorization"] = raw.headers["authorization"]
+        prefill_s: float | None = None
+        decode_url: str | None = None
         try:
             # A client that leaves while P prefills must not get its KV moved to D for nobody:
             # cancelling the upstream call closes that connection, and the instance aborts.
@@ -157,14 +183,18 @@ def build_proxy_app(
                     raw, stream_decode(path, decode_request, headers, started, prefill_s))
             sent = time.monotonic()
             with decode.acquire() as instance:
+                decode_url = instance.url
                 answer = await unless_disconnected(
                     raw, post_json("decode", instance, path, decode_request, headers))
             metrics.observe("decode_seconds", time.monotonic() - sent)
         except APIError as error:
             metrics.inc("requests_total", outcome=error.code or "error")
+            log_request(request_id, prefill_s, decode_url, started,
+                        f"{error.code or 'error'} ({error.message})")
             raise
         metrics.observe("total_seconds", time.monotonic() - started)
         metrics.inc("requests_total", outcome="ok")
+        log_request(request_id, prefill_s, decode_url, started, "ok")
         figures = answer.get("kvlink")
         if isinstance(figures, dict):
             figures["prefill_s"] = prefill_s

@@ -18,6 +18,12 @@ import httpx
 
 from kvlink.serve.errors import APIError
 
+# A client may reuse an idle connection only while the server surely keeps it open, so the
+# proxy drops idle upstream connections (KEEPALIVE_EXPIRY_S) well before any server closes
+# them: uvicorn's and vLLM's default is 5 s; kvlink's own servers keep them SERVER_KEEPALIVE_S.
+KEEPALIVE_EXPIRY_S = 2.0
+SERVER_KEEPALIVE_S = 15
+
 
 @dataclass
 class Instance:
