@@ -14,7 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 # Per-transfer series, and the kvlink counters forwarded as vLLM counters.
-SERIES = ("xfer_s", "bytes", "descriptors")
+SERIES = ("xfer_s", "post_s", "bytes", "descriptors")
 COUNTERS = ("failed_transfers_total", "stalled_transfers_total", "failed_handshakes_total",
             "failed_notifications_total", "expired_leases_total", "refused_peers_total",
             "notify_only_total", "bad_notifications_total")
@@ -29,6 +29,7 @@ def from_worker_snapshot(snapshot: dict[str, Any], previous: dict[str, int]) -> 
     data = empty_data()
     for t in snapshot.get("transfers", []):
         data["xfer_s"].append(float(t["duration_s"]))
+        data["post_s"].append(float(t.get("post_s", 0.0)))
         data["bytes"].append(int(t["nbytes"]))
         data["descriptors"].append(int(t["descriptors"]))
     counters = snapshot.get("counters", {})
@@ -73,6 +74,7 @@ class KvlinkStats(KVConnectorStats):
             out.update({
                 "Avg xfer time (ms)": round(float(xfer.mean()), 3),
                 "P90 xfer time (ms)": round(float(np.percentile(xfer, 90)), 3),
+                "Avg post time (ms)": round(float(np.mean(self.data.get("post_s") or [0.0])) * 1e3, 3),
                 "Avg MB per transfer": round(float(nbytes.mean()) / 1e6, 3),
                 "Throughput (MB/s)": round(float(nbytes.sum()) / 1e6 / total_s, 1) if total_s > 0 else 0.0,
                 "Avg number of descriptors": round(float(descs.mean()), 1),
@@ -96,6 +98,9 @@ class KvlinkPromMetrics(KVConnectorPromMetrics):
 
         self.xfer = histogram("vllm:kvlink_xfer_time_seconds", "kvlink KV transfer time per request load.",
                               [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0])
+        self.post = histogram("vllm:kvlink_post_time_seconds",
+                              "kvlink time inside NIXL's post of each request load (the copy, on CMA).",
+                              [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0])
         self.bytes = histogram("vllm:kvlink_bytes_transferred", "kvlink KV bytes per request load.",
                                [float(2 ** (10 + i)) for i in range(1, 25, 2)])
         self.descs = histogram("vllm:kvlink_num_descriptors", "kvlink NIXL descriptors per request load.",
@@ -108,7 +113,8 @@ class KvlinkPromMetrics(KVConnectorPromMetrics):
         }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        for family, key in ((self.xfer, "xfer_s"), (self.bytes, "bytes"), (self.descs, "descriptors")):
+        for family, key in ((self.xfer, "xfer_s"), (self.post, "post_s"), (self.bytes, "bytes"),
+                            (self.descs, "descriptors")):
             for value in transfer_stats_data.get(key, []):
                 family[engine_idx].observe(value)
         for key, value in transfer_stats_data.get("counters", {}).items():
