@@ -53,6 +53,7 @@ def connector_config(cfg: dict[str, Any]) -> ConnectorConfig:
         lease_s=float(cfg.get("lease_s", 30.0)), stall_timeout_s=float(cfg.get("stall_timeout_s", 10.0)),
         handshake_timeout_s=float(cfg.get("handshake_timeout_s", 5.0)),
         transfer_mode=cfg.get("transfer_mode", "pull"),
+        separate_notifier=bool(cfg.get("separate_notifier", True)),
     )
 
 

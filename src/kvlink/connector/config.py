@@ -38,6 +38,10 @@ class ConnectorConfig:
     # kernel block sizes of a non token-major page order (kvlink.plan.staged). Allocated at
     # the first such handshake and touched only as READs land.
     staging_mib: int = bounded(int_range(1, 1 << 20), 256)
+    # D's `done` notifications (and heartbeats) leave from a second NIXL agent that moves no
+    # data: on UCX a READ posted after a notification on the same endpoint waits for the
+    # peer's next progress (kvlink.connector.notifier). False: they ride the READs.
+    separate_notifier: bool = True
     # Shared by every P and D (see connector/secret.py); None: `$KVLINK_SECRET`. The scheduler
     # side refuses to run without one unless `insecure_unsigned_params` opts out explicitly.
     secret: bytes | None = None

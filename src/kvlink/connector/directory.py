@@ -35,6 +35,8 @@ class EngineDirectory:
         self.handshakes = HandshakeRunner(config.handshake_timeout_s, config.secret)
         self.engines: dict[str, RemoteEngine] = {}
         self._asked: dict[Key, float] = {}
+        self.on_connect: Callable[[RemoteEngine], None] | None = None  # after an engine is connected
+        self.on_release: Callable[[RemoteEngine], None] | None = None  # after an engine is dropped
 
     def known(self, entry: dict[str, Any]) -> bool:
         return entry["remote_engine_id"] in self.engines or self.handshakes.pending(engine_key(entry))
@@ -72,6 +74,8 @@ class EngineDirectory:
             try:
                 engine = connect_reader(agent, local, engine_id, result, staging_for)
                 self.engines[engine_id] = engine
+                if self.on_connect is not None:
+                    self.on_connect(engine)
                 assert engine.plan is not None
                 log.info("connected to engine %s: handshake %.0f ms, plan and prepare %.0f ms (%d local, "
                          "%d remote descriptors%s)", engine_id,
@@ -87,6 +91,8 @@ class EngineDirectory:
 
     def drop(self, agent: NixlAgent | None, engine_id: str) -> None:
         engine = self.engines.pop(engine_id, None)
+        if engine is not None and self.on_release is not None:
+            self.on_release(engine)
         if engine is not None and agent is not None:
             release_engine(agent, engine)
 

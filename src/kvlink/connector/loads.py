@@ -29,6 +29,8 @@ class Load:
     push_descriptors: int = 0
     # staged read: the engine's staging pool and the plan request (slots to give back, runs to copy)
     staging: tuple[StagingPool, StagedRequest] | None = None
+    # pull with a notification agent: (READ, P agent, `done` message) still to send when it is done
+    dones: list[tuple[Transfer, str, bytes]] = field(default_factory=list)
 
     def record(self, t: Transfer) -> TransferRecord:
         return transfer_record(self.request_id, t)

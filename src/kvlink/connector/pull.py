@@ -1,8 +1,10 @@
 """Pull mode, D side: READ a request's planned descriptors from each source rank.
 
-Each READ carries a `done` notification for its P rank, so P frees the moment the data
-has left. A load finishes when all its READs are done; the first failure aborts the
-rest and fails the request with exactly its blocks named.
+Each P rank gets a `done` notification the moment its READ is done, so it frees the
+blocks as soon as the data has left: sent from the worker's notification agent (a READ
+then completes inside its post on CMA, see `notifier.py`), or, without one, attached
+to the READ. A load finishes when all its READs are done; the first failure aborts
+the rest and fails the request with exactly its blocks named.
 """
 
 from __future__ import annotations
@@ -53,11 +55,12 @@ class PullReader:
             done = encode(Done(entry["remote_request_id"], engine.expected[spec.src_rank]), w.secret)
             handles = engine.handles[spec.src_rank]
             if not len(spec.local_idx):
-                w.send(handles.agent_name, done)
+                w.send(handles.agent_name, done, engine)
                 continue
+            attached = done if w.notifier is None else b""
             try:
                 t = w.agent.post("READ", handles.local_handle, spec.local_idx,
-                                 handles.remote_handle, spec.remote_idx, done, tag=rid)
+                                 handles.remote_handle, spec.remote_idx, attached, tag=rid)
             except TransferFailed as exc:
                 if not load.transfers and w.retry_after_handshake(
                         engine.engine_id, entry, f"READ refused ({exc.reason})"):
@@ -65,10 +68,23 @@ class PullReader:
                 self.failed(load, engine, exc.reason)
                 return True
             load.transfers.append(t)
+            if not attached:
+                load.dones.append((t, handles.agent_name, done))
             w.inflight.add(t)
+        self.send_dones(load, engine)
         w.notify(engine, entry, "notify", only_extra=True)
         self.maybe_complete(load)
         return True
+
+    def send_dones(self, load: Load, engine: RemoteEngine | None) -> None:
+        """Tell each P rank whose READ is done (and only those) that its blocks are free."""
+        still = []
+        for t, name, msg in load.dones:
+            if t.state == "DONE":
+                self.worker.send(name, msg, engine)
+            elif t.state == "PROC":
+                still.append((t, name, msg))
+        load.dones = still
 
     def stage(self, engine: RemoteEngine, entry: dict[str, Any]) -> StagedRequest | None:
         """Staging slots and the staged request; None when the load waits for slots, or
@@ -185,9 +201,11 @@ class PullReader:
         load = w.book.get(str(t.tag))
         if load is None or load.pushes_expected:
             return False
+        engine = w.engines.get(load.entry["remote_engine_id"])
         if failed:
-            self.failed(load, w.engines.get(load.entry["remote_engine_id"]), t.failure or "transfer failed")
+            self.failed(load, engine, t.failure or "transfer failed")
         else:
+            self.send_dones(load, engine)
             self.maybe_complete(load)
         return True
 

@@ -69,6 +69,8 @@ class RemoteEngine:
     # `staged.read`, whose local side is the staging area of `pool`.
     staged: StagedPlan | None = None
     pool: StagingPool | None = None
+    # remote agent name -> its NIXL metadata (for the worker's notification agent)
+    metadata: dict[str, bytes] = field(default_factory=dict)
 
     def notify_agents(self, ranks: Iterable[int]) -> list[tuple[int, str]]:
         return [(r, self.agents[r]) for r in ranks if r in self.agents]
@@ -117,6 +119,7 @@ def connect_reader(
     else:
         plan = build_transfer_plan(local, sources)
     agents = {r: agent.add_remote(p.agent_metadata) for r, p in payloads.items()}
+    metadata = {agents[r]: p.agent_metadata for r, p in payloads.items()}
     handles: dict[int, SourceHandles] = {}
     try:
         for source in plan.sources:
@@ -129,7 +132,7 @@ def connect_reader(
         raise
     expected = consumers_per_producer(local.model, remote_tp, local.tp_size)
     return RemoteEngine(engine_id, remote_tp, agents, geometries, plan, handles, expected,
-                        staged=staged, pool=pool)
+                        staged=staged, pool=pool, metadata=metadata)
 
 
 def _sources(local: WorkerGeometry, remote_tp: int, geometries: Mapping[int, WorkerGeometry]) -> list[int]:

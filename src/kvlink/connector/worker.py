@@ -1,7 +1,8 @@
 """Worker side of the NIXL connector: one per TP rank; registers memory and moves bytes.
 
-D (pull): handshake once per P engine, then READ exactly the planned descriptors,
-each READ carrying a `done` notification for its P rank. P: hold finished requests
+D (pull): handshake once per P engine, then READ exactly the planned descriptors and
+send each P rank its `done` notification once its READ is done (from a second agent,
+`notifier.py`, or attached to the READ). P: hold finished requests
 under leases until every consumer rank has notified, or the lease runs out.
 Push mode lives in `push.py`. Every wait has a deadline; failures name the blocks.
 """
@@ -20,6 +21,7 @@ from kvlink.connector.directory import EngineDirectory
 from kvlink.connector.inbox import drain_notifications
 from kvlink.connector.lease import LeaseTable
 from kvlink.connector.loads import Load, LoadBook
+from kvlink.connector.notifier import Notifier
 from kvlink.connector.notifs import (
     Done,
     Heartbeat,
@@ -80,6 +82,7 @@ class NixlWorker(ConnectorWorker):
         self.push: PushWriter | None = None
         self._staging: dict[int, StagingPool] = {}
         self._local_pages: LocalPages | None = None
+        self.notifier: Notifier | None = None
 
     # ---- registration -------------------------------------------------------------------
     def register_kv_caches(self, base_addrs: Sequence[int], nbytes: Sequence[int]) -> None:
@@ -102,6 +105,10 @@ class NixlWorker(ConnectorWorker):
             tp_size=self.tp_size, compat_hash=self.model.compat_hash(), agent_name=name,
             agent_metadata=agent.metadata(), geometry=encode_geometry(geometry), sent_time=time.time()))
         self.geometry, self.agent, self.server = geometry, agent, server
+        if self.config.separate_notifier:
+            self.notifier = Notifier(f"{name}-n", self._agent_config)
+            self.directory.on_release = lambda engine: self._forget_notified(engine)
+            self.directory.on_connect = lambda engine: self._prepare_notifier(engine)
         self.inflight = InflightTracker(agent, self.config.stall_timeout_s)
         self.push = PushWriter(self, agent, geometry)
         log.info("kvlink worker %s rank %d/%d: %d regions, %.1f MiB, side channel %s:%d",
@@ -246,15 +253,42 @@ class NixlWorker(ConnectorWorker):
         for rank, name in engine.notify_agents(targets):
             if kind != "heartbeat":
                 msg = encode(Done(entry["remote_request_id"], engine.expected[rank]), self.secret)
-            self.send(name, msg)
+            self.send(name, msg, engine)
 
-    def send(self, agent_name: str, msg: bytes) -> None:
+    def send(self, agent_name: str, msg: bytes, engine: RemoteEngine | None = None) -> None:
+        """Notify one remote agent: from the notifier when it knows the agent's metadata
+        (engines we read from), else from the data agent."""
         assert self.agent is not None
+        metadata = engine.metadata.get(agent_name) if engine is not None else None
         try:
+            if self.notifier is not None and metadata is not None:
+                try:
+                    self.notifier.send(agent_name, metadata, msg)
+                    return
+                except TransferFailed:
+                    raise
+                except Exception as exc:  # the notifier cannot be built or load the peer
+                    log.error("notification agent unusable (%s); notifying from the data agent", exc)
+                    self.notifier.close()
+                    self.notifier = None
             self.agent.send_notif(agent_name, msg)
         except TransferFailed as exc:
             self.stats.count("failed_notifications_total")
             log.warning("notification to %s failed: %s", agent_name, exc.reason)
+
+    def _prepare_notifier(self, engine: RemoteEngine) -> None:
+        if self.notifier is None:
+            return
+        ranks = engine.plan.mapping.notify_ranks if engine.plan is not None else ()
+        try:
+            for _, name in engine.notify_agents(ranks):
+                self.notifier.prepare(name, engine.metadata[name])
+        except Exception as exc:  # a failed wire-up shows again at the first send
+            log.warning("notification agent: wire-up with engine %s not started: %s", engine.engine_id, exc)
+
+    def _forget_notified(self, engine: RemoteEngine) -> None:
+        if self.notifier is not None:
+            self.notifier.forget(set(engine.metadata))
 
     # ---- polling ------------------------------------------------------------------------
     def get_finished(self) -> WorkerOutput:
@@ -262,6 +296,8 @@ class NixlWorker(ConnectorWorker):
             return WorkerOutput()
         now = self.clock()
         drain_notifications(self, now)
+        if self.notifier is not None:
+            self.notifier.progress()
         self._advance()
         result = self.inflight.poll_all(now)
         for t in result.failed:
@@ -289,6 +325,8 @@ class NixlWorker(ConnectorWorker):
         so that a peer reading from us does not wait for the step to end."""
         if self.agent is not None:
             self.agent.progress()
+        if self.notifier is not None:
+            self.notifier.progress()
         if self.inflight is not None:
             self.inflight.advance()
 
@@ -317,6 +355,9 @@ class NixlWorker(ConnectorWorker):
         if self.inflight is not None:
             self.inflight.abort_all("shutdown")
         self.directory.shutdown(self.agent)
+        if self.notifier is not None:
+            self.notifier.close()
+            self.notifier = None
         if self.agent is not None:
             if self.push is not None:
                 self.push.shutdown()

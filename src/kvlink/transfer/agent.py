@@ -224,6 +224,14 @@ class NixlAgent:
         if transfer in self._unreleased:
             self._unreleased.remove(transfer)
 
+    def connect(self, remote_name: str) -> None:
+        """Start the transport's wire-up with a loaded peer now (it completes as both sides
+        progress), rather than on the first transfer or notification."""
+        try:
+            self._agent.make_connection(remote_name)
+        except nixl_import.NIXL_ERRORS as exc:
+            raise TransferFailed(f"connection to {remote_name} failed: {describe(exc)}") from exc
+
     def send_notif(self, remote_name: str, msg: bytes) -> None:
         try:
             self._agent.send_notif(remote_name, msg)
