@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import re
 import signal
 import socket
 import subprocess
@@ -97,6 +99,28 @@ def test_stream_is_passed_through_from_decode(pd: tuple[str, FakeEngine, FakeEng
     assert data[-1] == "[DONE]"
     chunks = [json.loads(item) for item in data[:-1]]
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "abcd"
+
+
+def test_one_log_line_per_request_with_its_outcome(pd: tuple[str, FakeEngine, FakeEngine],
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    proxy_url, _, _ = pd
+    caplog.set_level(logging.INFO, logger="kvlink.proxy")
+    ok = httpx.post(f"{proxy_url}/v1/completions", json={"prompt": "hello", "max_tokens": 3},
+                    headers={"X-Request-Id": "req-ok"}, timeout=10)
+    streamed = httpx.post(f"{proxy_url}/v1/completions", headers={"X-Request-Id": "req-stream"},
+                          json={"prompt": "hello", "max_tokens": 3, "stream": True}, timeout=10)
+    bad = httpx.post(f"{proxy_url}/v1/completions", json={"prompt": "hello", "model": "another"},
+                     headers={"X-Request-Id": "req-bad"}, timeout=10)
+    assert (ok.status_code, streamed.status_code, bad.status_code) == (200, 200, 404)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and len(caplog.records) < 3:
+        time.sleep(0.02)  # the stream's line comes when its body is done
+    lines = {r.getMessage().split()[1]: r.getMessage() for r in caplog.records if r.name == "kvlink.proxy"}
+    assert set(lines) == {"req-ok", "req-stream", "req-bad"}, lines
+    assert re.search(r"prefill=[\d.]+ms decode=http://127\.0\.0\.1:\d+ total=[\d.]+ms outcome=ok$",
+                     lines["req-ok"]), lines["req-ok"]
+    assert lines["req-stream"].endswith("outcome=ok") and "decode=http://" in lines["req-stream"]
+    assert "prefill=- decode=- " in lines["req-bad"] and "outcome=model_not_found (" in lines["req-bad"]
 
 
 def test_client_disconnect_mid_stream_aborts_on_decode(pd: tuple[str, FakeEngine, FakeEngine]) -> None:
