@@ -9,7 +9,7 @@ of 1-2 ms. So the data agent's endpoints carry READs only, and `done` notificati
 heartbeats and the like leave from this agent. The peer's agent takes notifications
 from any agent, named or not in its metadata; the sender name is only logged there.
 
-Created on the first send; remote agents are loaded from the metadata the data agent
+Created at registration; remote agents are loaded from the metadata the data agent
 got at the handshake, once per remote agent, and dropped with the remote engine.
 """
 
@@ -30,25 +30,27 @@ class Notifier:
         self._agent: NixlAgent | None = None
         self._loaded: set[str] = set()
 
-    @property
-    def started(self) -> bool:
-        return self._agent is not None
+    def start(self) -> NixlAgent:
+        """Create the agent (about 20 ms after the process's first one); done at registration
+        so that no request pays for it."""
+        if self._agent is None:
+            self._agent = NixlAgent(self.name, self._agent_config)
+            log.info("kvlink worker: notifications leave from agent %s", self.name)
+        return self._agent
 
     def prepare(self, remote_name: str, metadata: bytes) -> NixlAgent:
         """Load a remote agent and start the wire-up with it, so that the first notification
         does not wait for one (it would sit queued if this worker stopped progressing)."""
-        if self._agent is None:
-            self._agent = NixlAgent(self.name, self._agent_config)
-            log.info("kvlink worker: notifications leave from agent %s", self.name)
+        agent = self.start()
         if remote_name not in self._loaded:
-            loaded = self._agent.add_remote(metadata)
+            loaded = agent.add_remote(metadata)
             if loaded != remote_name:
-                self._agent.remove_remote(loaded)
+                agent.remove_remote(loaded)
                 raise ValueError(f"metadata of {remote_name!r} names agent {loaded!r}")
             self._loaded.add(remote_name)
-            self._agent.connect(remote_name)
-            self._agent.progress()
-        return self._agent
+            agent.connect(remote_name)
+            agent.progress()
+        return agent
 
     def send(self, remote_name: str, metadata: bytes, msg: bytes) -> None:
         """Send `msg` to `remote_name` (whose NIXL metadata is `metadata`). Raises

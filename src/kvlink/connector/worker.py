@@ -107,6 +107,7 @@ class NixlWorker(ConnectorWorker):
         self.geometry, self.agent, self.server = geometry, agent, server
         if self.config.separate_notifier:
             self.notifier = Notifier(f"{name}-n", self._agent_config)
+            self.notifier.start()
             self.directory.on_release = lambda engine: self._forget_notified(engine)
             self.directory.on_connect = lambda engine: self._prepare_notifier(engine)
         self.inflight = InflightTracker(agent, self.config.stall_timeout_s)
