@@ -43,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
     from kvlink.serve.upstream import SERVER_KEEPALIVE_S
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # our own line per request says it all
     app = build_proxy_app(args.prefill, args.decode, timeout_s=args.timeout_s,
                           connect_timeout_s=args.connect_timeout_s)
     url = f"http://{args.host}:{args.port}"
