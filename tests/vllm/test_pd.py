@@ -17,6 +17,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -135,6 +136,7 @@ def reference_prompts() -> list[str]:
     prompts += [f"(push {tag}) {PROMPTS[i]}" for tag in ("32->128", "128->32") for i in (1, 3)]
     prompts += [f"(via {kind}) {PROMPTS[i]}" for kind in ("kvlink", "vllm-router") for i in (0, 2)]
     prompts += ["(prefix) " + PROMPTS[3], "(frozen, recompute) " + PROMPTS[2], "(killed, recompute) " + PROMPTS[1]]
+    prompts += ["(frozen) " + PROMPTS[2], "(frozen push, recompute) " + PROMPTS[1]]
     return prompts
 
 
@@ -301,26 +303,48 @@ def test_kv_transfer_metrics_line_and_worker_counters(pd: PD) -> None:
 
 # ---- faults (last: they freeze and kill servers) ------------------------------------------
 def test_p_frozen_after_prefill(pd: PD, colocated: Colocated) -> None:
-    prompt, other = "(frozen) " + PROMPTS[2], "(frozen, recompute) " + PROMPTS[2]
-    for_b, for_c = pd.prefill(pd.a, prompt), pd.prefill(pd.a, other)
-    frozen = workers_of(pd.a)
+    """P's workers stopped (SIGSTOP) after its prefill answered.
+
+    Pull: over CMA the kernel still reads a stopped process, and P's lease keeps the blocks
+    for D, so D answers the right text (B, policy fail; C, policy recompute, through its
+    staging pages); P frees when it runs again (D must have read from P before: the first
+    READs to a new peer wait for it). Push: a stopped P cannot write, so D hits
+    its deadline (stall + handshake): B answers an error, C (pushed to by E, block 32)
+    prefills itself and answers the right text."""
+    # Connected first: the first READs to a new peer finish UCX's wire-up, which needs P.
+    for i in range(2):
+        pd.run(pd.a, pd.b, f"(warm {i}) " + PROMPTS[0])
+        pd.run(pd.a, pd.c, f"(warm {i}) " + PROMPTS[0])
+    pd.run(pd.e, pd.c, "(warm push) " + PROMPTS[0], "push")
+    pull_b, pull_c = "(frozen) " + PROMPTS[2], "(frozen, recompute) " + PROMPTS[2]
+    push_b, push_c = "(frozen push) " + PROMPTS[1], "(frozen push, recompute) " + PROMPTS[1]
+    params = {"pull_b": pd.prefill(pd.a, pull_b), "pull_c": pd.prefill(pd.a, pull_c),
+              "push_b": pd.prefill(pd.a, push_b, "push"), "push_c": pd.prefill(pd.e, push_c, "push")}
+    frozen = workers_of(pd.a) + workers_of(pd.e)
     for proc in frozen:
         proc.send_signal(signal.SIGSTOP)
+    asked = {"pull_b": (pd.b, pull_b), "pull_c": (pd.c, pull_c), "push_b": (pd.b, push_b), "push_c": (pd.c, push_c)}
     try:
-        started = time.monotonic()
-        failed = pd.decode(pd.b, prompt, for_b)  # policy fail: an error, within the stall deadline
-        fail_s = time.monotonic() - started
-        started = time.monotonic()
-        recomputed = pd.decode(pd.c, other, for_c)  # policy recompute: the right text
-        recompute_s = time.monotonic() - started
+        with ThreadPoolExecutor(len(asked)) as pool:
+            def timed(key: str) -> tuple[httpx.Response, float]:
+                started = time.monotonic()
+                server, prompt = asked[key]
+                return pd.decode(server, prompt, params[key]), time.monotonic() - started
+            futures = {key: pool.submit(timed, key) for key in asked}
+            answers = {key: future.result() for key, future in futures.items()}
     finally:
         for proc in frozen:
             proc.send_signal(signal.SIGCONT)
-    # Bounded by the stall deadline, plus slack for a loaded 2-core machine.
-    assert failed.status_code >= 500 and fail_s < STALL_S + 15, (failed.status_code, fail_s)
-    assert recomputed.status_code == 200 and recompute_s < STALL_S + 20
-    assert recomputed.json()["choices"][0]["text"] == colocated(other)
-    for server, name in ((pd.a, "a"), (pd.b, "b"), (pd.c, "c")):
+    for key, prompt in (("pull_b", pull_b), ("pull_c", pull_c)):
+        resp, took = answers[key]
+        assert resp.status_code == 200 and took < STALL_S, (key, resp.status_code, took, resp.text[:300])
+        assert resp.json()["choices"][0]["text"] == colocated(prompt), key
+    resp, took = answers["push_b"]  # policy fail: an error, bounded by the push deadline
+    assert resp.status_code >= 500 and took < STALL_S + HANDSHAKE_S + 15, (resp.status_code, took)
+    resp, took = answers["push_c"]  # policy recompute: the right text
+    assert resp.status_code == 200 and took < STALL_S + HANDSHAKE_S + 20, (resp.status_code, took, resp.text[:300])
+    assert resp.json()["choices"][0]["text"] == colocated(push_c)
+    for server, name in ((pd.a, "a"), (pd.b, "b"), (pd.c, "c"), (pd.e, "e")):
         wait_idle(pd, server, name, within_s=LEASE_S + HANDSHAKE_S + 10)
 
 

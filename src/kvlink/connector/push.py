@@ -9,6 +9,7 @@ counts one `pushed` per source rank; a deadline turns silence into a failed load
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -71,9 +72,11 @@ class PushWriter:
                 "d_rank": w.tp_rank, "local_block_ids": entry["local_block_ids"],
                 "local_computed_tokens": entry["local_computed_tokens"],
                 "num_tokens": entry["num_tokens"], "expected": engine.expected[rank],
+                # wall clock, as kv_expires_at_ms: past it D has given up and P must not write
+                "d_deadline_ms": int((time.time() + load.deadline - now) * 1000),
             }
             try:
-                w.agent.send_notif(name, encode(PushRequest(entry["remote_request_id"], info), w.secret))
+                w.send_or_raise(name, encode(PushRequest(entry["remote_request_id"], info), w.secret), engine)
             except TransferFailed as exc:
                 if not w.retry_after_handshake(engine.engine_id, entry, f"push request not sent ({exc.reason})"):
                     w.stats.count("failed_notifications_total")
@@ -134,9 +137,18 @@ class PushWriter:
                 w.stats.count("refused_peers_total")
                 log.error("refusing push reader %s rank %d: %s", d_engine, d_rank, exc)
         keep = []
+        wall_ms = time.time() * 1000
         for job in self.jobs:
             if now - job.received > w.config.stall_timeout_s:
                 log.warning("push request for %s dropped: too old", job.request.request_id)
+                continue
+            d_deadline = job.request.info.get("d_deadline_ms")
+            if isinstance(d_deadline, (int, float)) and wall_ms > d_deadline:
+                # e.g. P was stopped past it: D failed or recomputed the load and may reuse
+                # the blocks after its quarantine; a WRITE now would also wait on an idle D.
+                w.stats.count("late_push_requests_total")
+                log.warning("push request for %s dropped: D's deadline passed %.1f s ago",
+                            job.request.request_id, (wall_ms - d_deadline) / 1000)
                 continue
             if not self._try_write(job):
                 keep.append(job)

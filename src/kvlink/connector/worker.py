@@ -257,25 +257,30 @@ class NixlWorker(ConnectorWorker):
             self.send(name, msg, engine)
 
     def send(self, agent_name: str, msg: bytes, engine: RemoteEngine | None = None) -> None:
-        """Notify one remote agent: from the notifier when it knows the agent's metadata
-        (engines we read from), else from the data agent."""
-        assert self.agent is not None
-        metadata = engine.metadata.get(agent_name) if engine is not None else None
+        """Notify one remote agent; a failure is counted and logged."""
         try:
-            if self.notifier is not None and metadata is not None:
-                try:
-                    self.notifier.send(agent_name, metadata, msg)
-                    return
-                except TransferFailed:
-                    raise
-                except Exception as exc:  # the notifier cannot be built or load the peer
-                    log.error("notification agent unusable (%s); notifying from the data agent", exc)
-                    self.notifier.close()
-                    self.notifier = None
-            self.agent.send_notif(agent_name, msg)
+            self.send_or_raise(agent_name, msg, engine)
         except TransferFailed as exc:
             self.stats.count("failed_notifications_total")
             log.warning("notification to %s failed: %s", agent_name, exc.reason)
+
+    def send_or_raise(self, agent_name: str, msg: bytes, engine: RemoteEngine | None = None) -> None:
+        """Notify one remote agent: from the notifier when it knows the agent's metadata
+        (engines we read from or ask to push), else from the data agent. Raises
+        TransferFailed."""
+        assert self.agent is not None
+        metadata = engine.metadata.get(agent_name) if engine is not None else None
+        if self.notifier is not None and metadata is not None:
+            try:
+                self.notifier.send(agent_name, metadata, msg)
+                return
+            except TransferFailed:
+                raise
+            except Exception as exc:  # the notifier cannot be built or load the peer
+                log.error("notification agent unusable (%s); notifying from the data agent", exc)
+                self.notifier.close()
+                self.notifier = None
+        self.agent.send_notif(agent_name, msg)
 
     def _prepare_notifier(self, engine: RemoteEngine) -> None:
         if self.notifier is None:
