@@ -306,9 +306,10 @@ def test_p_frozen_after_prefill(pd: PD, colocated: Colocated) -> None:
     """P's workers stopped (SIGSTOP) after its prefill answered.
 
     Pull: over CMA the kernel still reads a stopped process, and P's lease keeps the blocks
-    for D, so D answers the right text (B, policy fail; C, policy recompute, through its
-    staging pages); P frees when it runs again (D must have read from P before: the first
-    READs to a new peer wait for it). Push: a stopped P cannot write, so D hits
+    for D, so D usually answers the right text (B, policy fail; C, policy recompute, through
+    its staging pages) and P frees when it runs again; a READ that waits for P anyway (the
+    first ones to a new peer finish UCX's wire-up; a UCX control message on the endpoint)
+    hits the stall deadline: B answers an error, C the right text. Push: a stopped P cannot write, so D hits
     its deadline (stall + handshake): B answers an error, C (pushed to by E, block 32)
     prefills itself and answers the right text."""
     # Connected first: the first READs to a new peer finish UCX's wire-up, which needs P.
@@ -335,10 +336,17 @@ def test_p_frozen_after_prefill(pd: PD, colocated: Colocated) -> None:
     finally:
         for proc in frozen:
             proc.send_signal(signal.SIGCONT)
-    for key, prompt in (("pull_b", pull_b), ("pull_c", pull_c)):
-        resp, took = answers[key]
-        assert resp.status_code == 200 and took < STALL_S, (key, resp.status_code, took, resp.text[:300])
-        assert resp.json()["choices"][0]["text"] == colocated(prompt), key
+    # A pull usually completes (the right text) but may also stall, when some control message
+    # of UCX's on D's data endpoint waits for the stopped P: then the deadline applies.
+    resp, took = answers["pull_b"]
+    assert took < STALL_S + 15, ("pull_b", resp.status_code, took)
+    assert resp.status_code >= 500 or (resp.status_code == 200 and
+                                       resp.json()["choices"][0]["text"] == colocated(pull_b)), resp.text[:300]
+    resp, took = answers["pull_c"]  # policy recompute: the right text, read or recomputed
+    assert resp.status_code == 200 and took < STALL_S + 20, ("pull_c", resp.status_code, took, resp.text[:300])
+    assert resp.json()["choices"][0]["text"] == colocated(pull_c)
+    print(f"[frozen P] pull answers: B HTTP {answers['pull_b'][0].status_code} after "
+          f"{answers['pull_b'][1]:.1f} s, C after {answers['pull_c'][1]:.1f} s")
     resp, took = answers["push_b"]  # policy fail: an error, bounded by the push deadline
     assert resp.status_code >= 500 and took < STALL_S + HANDSHAKE_S + 15, (resp.status_code, took)
     resp, took = answers["push_c"]  # policy recompute: the right text
