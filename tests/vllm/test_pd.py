@@ -308,7 +308,7 @@ def test_p_frozen_after_prefill(pd: PD, colocated: Colocated) -> None:
     Pull: over CMA the kernel still reads a stopped process, and P's lease keeps the blocks
     for D, so D usually answers the right text (B, policy fail; C, policy recompute, through
     its staging pages) and P frees when it runs again; a READ that waits for P anyway (the
-    first ones to a new peer finish UCX's wire-up; a UCX control message on the endpoint)
+    first ones to a new peer finish UCX's wire-up; seen once more in a full module run)
     hits the stall deadline: B answers an error, C the right text. Push: a stopped P cannot write, so D hits
     its deadline (stall + handshake): B answers an error, C (pushed to by E, block 32)
     prefills itself and answers the right text."""
@@ -336,8 +336,8 @@ def test_p_frozen_after_prefill(pd: PD, colocated: Colocated) -> None:
     finally:
         for proc in frozen:
             proc.send_signal(signal.SIGCONT)
-    # A pull usually completes (the right text) but may also stall, when some control message
-    # of UCX's on D's data endpoint waits for the stopped P: then the deadline applies.
+    # A pull usually completes (the right text) but may also stall (seen once in a full module
+    # run; most likely a UCX control message pending on the endpoint): then the deadline applies.
     resp, took = answers["pull_b"]
     assert took < STALL_S + 15, ("pull_b", resp.status_code, took)
     assert resp.status_code >= 500 or (resp.status_code == 200 and
