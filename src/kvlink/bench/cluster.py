@@ -126,22 +126,6 @@ class Member:
         return f"http://{self.host}:{self.port}"
 
 
-class _Ports:
-    """Free loopback ports, never the same one twice (nor inside a TP rank's span) per deployment."""
-
-    def __init__(self) -> None:
-        self.taken: set[int] = set()
-
-    def take(self, span: int = 1) -> int:
-        for _ in range(100):
-            port = free_port(span)
-            wanted = set(range(port, port + span))
-            if not wanted & self.taken:
-                self.taken |= wanted
-                return port
-        raise RuntimeError(f"no free span of {span} loopback ports found after 100 tries")
-
-
 class Cluster:
     """The processes of one `ClusterSpec`; pieces can be signalled, restarted and inspected by name."""
 
@@ -150,21 +134,20 @@ class Cluster:
         self.log_dir = log_dir
         self.progress = progress
         self.secret = new_secret()  # signs P's kv_transfer_params, authenticates handshakes
-        ports = _Ports()
+        # free_port never hands out a port (or one inside a TP rank's span) twice per process.
         self.members: list[Member] = []
         if spec.pd:
-            self.members += [self._engine(spec, "prefill", i, ports) for i in range(spec.n_prefill)]
-            self.members += [self._engine(spec, "decode", i, ports) for i in range(spec.n_decode)]
+            self.members += [self._engine(spec, "prefill", i) for i in range(spec.n_prefill)]
+            self.members += [self._engine(spec, "decode", i) for i in range(spec.n_decode)]
         if spec.colocated:
-            port = ports.take()
+            port = free_port()
             self.members.append(Member(
                 "colocated", "both", port, None, None,
                 _serve_args(spec, "both", port, "127.0.0.1", 1, spec.placement.colocated_threads,
                             spec.prefill_block_size), cpus=spec.placement.colocated_cpus))
         self.proxy: Service | None = None
-        self.proxy_port = ports.take()
-        self.router_metrics_port = ports.take()  # vllm-router's Prometheus listener
-        self._ports = ports
+        self.proxy_port = free_port()
+        self.router_metrics_port = free_port()  # vllm-router's Prometheus listener
         self.extra_routers: list[Service] = []  # `add_router`: more routers on the same instances
         self._proxy_starts = 0
         # Built now: a missing vllm-router is reported before any process starts.
@@ -189,12 +172,12 @@ class Cluster:
             raise ValueError("this cluster has no router: its spec has pd=False")
         self._router_argv = self._router_command(router_args)
 
-    def _engine(self, spec: ClusterSpec, role: str, index: int, ports: _Ports) -> Member:
+    def _engine(self, spec: ClusterSpec, role: str, index: int) -> Member:
         prefill = role == "prefill"
         name = role if index == 0 else f"{role}{index}"
         tp = spec.prefill_tp if prefill else spec.decode_tp
         host = spec.prefill_host if prefill else spec.decode_host
-        port, kv_port = ports.take(), ports.take(span=tp)
+        port, kv_port = free_port(), free_port(tp)
         engine_id = f"{name}-{os.getpid()}-{port}"
         args = _serve_args(spec, role, port, host, tp, spec.placement.threads_per_rank,
                            spec.prefill_block_size if prefill else spec.decode_block_size)
@@ -270,8 +253,8 @@ class Cluster:
     def add_router(self, kind: str, timeout_s: float = 60.0) -> Service:
         """Start one more router of `kind` in front of the same P and D instances, on its own
         port (to compare routers on one deployment); `stop` stops it with the rest."""
-        port = self._ports.take()
-        metrics_port = self._ports.take() if kind == "vllm-router" else None
+        port = free_port()
+        metrics_port = free_port() if kind == "vllm-router" else None
         argv = self._router_command((), kind, port, metrics_port)
         svc = start_process(f"router-{len(self.extra_routers) + 1}-{kind}", argv, f"http://127.0.0.1:{port}",
                             self.log_dir)
