@@ -25,55 +25,44 @@ log = logging.getLogger("kvlink.connector")
 
 class Notifier:
     def __init__(self, name: str, agent_config: AgentConfig | None = None) -> None:
-        self.name = name
-        self._agent_config = agent_config
-        self._agent: NixlAgent | None = None
+        """Creates the agent (about 20 ms after the process's first one): built at
+        registration, so no request pays for it."""
+        self.agent = NixlAgent(name, agent_config)
         self._loaded: set[str] = set()
+        log.info("kvlink worker: notifications leave from agent %s", name)
 
-    def start(self) -> NixlAgent:
-        """Create the agent (about 20 ms after the process's first one); done at registration
-        so that no request pays for it."""
-        if self._agent is None:
-            self._agent = NixlAgent(self.name, self._agent_config)
-            log.info("kvlink worker: notifications leave from agent %s", self.name)
-        return self._agent
-
-    def prepare(self, remote_name: str, metadata: bytes) -> NixlAgent:
+    def prepare(self, remote_name: str, metadata: bytes) -> None:
         """Load a remote agent and start the wire-up with it, so that the first notification
         does not wait for one (it would sit queued if this worker stopped progressing)."""
-        agent = self.start()
-        if remote_name not in self._loaded:
-            loaded = agent.add_remote(metadata)
-            if loaded != remote_name:
-                agent.remove_remote(loaded)
-                raise ValueError(f"metadata of {remote_name!r} names agent {loaded!r}")
-            self._loaded.add(remote_name)
-            agent.connect(remote_name)
-            agent.progress()
-        return agent
+        if remote_name in self._loaded:
+            return
+        loaded = self.agent.add_remote(metadata)
+        if loaded != remote_name:
+            self.agent.remove_remote(loaded)
+            raise ValueError(f"metadata of {remote_name!r} names agent {loaded!r}")
+        self._loaded.add(remote_name)
+        self.agent.connect(remote_name)
+        self.agent.progress()
 
     def send(self, remote_name: str, metadata: bytes, msg: bytes) -> None:
         """Send `msg` to `remote_name` (whose NIXL metadata is `metadata`). Raises
         TransferFailed if NIXL refuses it or the peer is gone."""
-        agent = self.prepare(remote_name, metadata)
-        agent.send_notif(remote_name, msg)
-        agent.progress()
+        self.prepare(remote_name, metadata)
+        self.agent.send_notif(remote_name, msg)
+        self.agent.progress()
 
     def forget(self, remote_names: set[str]) -> None:
         """The remote engine is gone or evicted: unload its agents."""
         for name in remote_names & self._loaded:
             self._loaded.discard(name)
-            if self._agent is not None:
-                self._agent.remove_remote(name)
+            self.agent.remove_remote(name)
 
     def progress(self) -> None:
         """Push out notifications the transport queued (e.g. during the first wire-up).
         Nobody has this agent's metadata, so nothing should arrive; whatever does is dropped."""
-        if self._agent is not None:
-            self._agent.get_notifs()
+        self.agent.get_notifs()
 
     def close(self) -> None:
-        if self._agent is not None:
-            self._agent.close()
-            self._agent = None
+        """The agent is unusable afterwards (the worker drops its notifier)."""
+        self.agent.close()
         self._loaded.clear()

@@ -107,9 +107,8 @@ class NixlWorker(ConnectorWorker):
         self.geometry, self.agent, self.server = geometry, agent, server
         if self.config.separate_notifier:
             self.notifier = Notifier(f"{name}-n", self._agent_config)
-            self.notifier.start()
-            self.directory.on_release = lambda engine: self._forget_notified(engine)
-            self.directory.on_connect = lambda engine: self._prepare_notifier(engine)
+            self.directory.on_release = self._forget_notified
+            self.directory.on_connect = self._prepare_notifier
         self.inflight = InflightTracker(agent, self.config.stall_timeout_s)
         self.push = PushWriter(self, agent, geometry)
         log.info("kvlink worker %s rank %d/%d: %d regions, %.1f MiB, side channel %s:%d",
@@ -276,7 +275,7 @@ class NixlWorker(ConnectorWorker):
                 return
             except TransferFailed:
                 raise
-            except Exception as exc:  # the notifier cannot be built or load the peer
+            except Exception as exc:  # the notifier cannot load the peer (bad metadata, NIXL refusal)
                 log.error("notification agent unusable (%s); notifying from the data agent", exc)
                 self.notifier.close()
                 self.notifier = None
