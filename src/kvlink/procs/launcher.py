@@ -23,7 +23,7 @@ Progress = Callable[[str], None]
 # cannot be given the same one before either has bound it.
 _handed_out: set[int] = set()
 # Where listen ports are drawn from: clear of the fixed ports kvlink's tests and benches use
-# (side channels 5600-5899, vLLM servers 18300-18499, vllm-router metrics 29000).
+# (side channels 5600-5899, vLLM test servers 18300-18399, vllm-router metrics 29000).
 _LISTEN_RANGE = (20000, 28900)
 
 
