@@ -6,19 +6,17 @@ from pathlib import Path
 
 import pytest
 
-from kvlink.bench.vllm_pd import (
-    Case,
-    Ports,
-    VllmBenchConfig,
+from kvlink.bench.vllm_client import clean_client
+from kvlink.bench.vllm_config import Case, VllmBenchConfig, reference_prompts
+from kvlink.bench.vllm_measure import metric_delta, parse_prometheus, transfer_summary
+from kvlink.bench.vllm_report import (
     answers_cell,
     check_targets,
-    metric_delta,
-    parse_prometheus,
-    reference_prompts,
+    refresh,
     render_markdown,
     render_table,
-    transfer_summary,
 )
+from kvlink.bench.vllm_servers import CasePorts
 from kvlink.cli.main import parse_args
 
 METRICS_BEFORE = """\
@@ -142,10 +140,10 @@ def test_cases_order_ports_and_prompts() -> None:
     cases = config.cases()
     assert cases[:2] == [Case("nixl", 128, 128), Case("kvlink", 128, 128)]
     assert {(c.prefill_block, c.decode_block) for c in cases[2:]} == {(32, 128), (128, 32)}
-    used = [p for i in range(len(cases)) for p in (Ports(i).prefill, Ports(i).decode, Ports(i).proxy)]
-    assert len(set(used)) == len(used) and all(18400 <= p < 18500 for p in used)
-    sides = [p for i in range(len(cases)) for p in (Ports(i).side_prefill, Ports(i).side_decode)]
-    assert len(set(sides)) == len(sides) and all(5900 <= p < 6000 for p in sides)
+    drawn = [CasePorts.draw() for _ in cases]
+    used = [p for ports in drawn for p in (ports.prefill, ports.decode, ports.proxy,
+                                          ports.side_prefill, ports.side_decode)]
+    assert len(set(used)) == len(used)  # no port of one case is another's, nor another role's
     prompts = reference_prompts()
     assert len(prompts) == 6 and len(set(prompts)) == 6
     assert len(prompts[-1].split()) > 450  # ~600 tokens
@@ -182,8 +180,6 @@ def test_quick_bench_kvlink(tmp_path: Path) -> None:
 
 
 def test_all_failed_client_has_no_figures() -> None:
-    from kvlink.bench.vllm_pd import clean_client, refresh
-
     raw = {"completed": 0, "failed": 16, "num_prompts": 16, "mean_ttft_ms": 0.0, "p99_ttft_ms": 0.0,
            "request_throughput": 0.0, "errors": ["", "HTTP 502"], "itls": [[1.0]]}
     client = clean_client(raw)

@@ -8,31 +8,72 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from kvlink.bench.transfer import (
     BenchOptions,
-    _ratios,
     _ucx_get_protocol,
     per_layer_token_bytes,
     plan_sizes,
 )
+from kvlink.bench.transfer_node import CpuMeter, cpu_outside
 from kvlink.bench.transfer_report import table, verdicts
+from kvlink.bench.transfer_stats import load_figures, ratios
 
 
 def test_ratios_are_taken_per_round_then_the_median() -> None:
-    out = _ratios("r", baseline_s=[1.0, 2.0, 4.0], connector_s=[2.0, 2.0, 2.0])
+    out = ratios("r", baseline_s=[1.0, 2.0, 4.0], connector_s=[2.0, 2.0, 2.0])
     assert out["r_all"] == [0.5, 1.0, 2.0]
     assert out["r"] == 1.0
     assert out["r_of_medians"] == 1.0
     # the machine slows down for rounds 2 and 3 of the baseline but only round 2 of the
     # connector: within a round they agree twice, while the medians say the baseline is 3x slower
-    drift = _ratios("r", baseline_s=[1.0, 3.0, 3.0], connector_s=[1.0, 3.0, 1.0])
+    drift = ratios("r", baseline_s=[1.0, 3.0, 3.0], connector_s=[1.0, 3.0, 1.0])
     assert drift["r"] == 1.0 and drift["r_of_medians"] == 3.0
     with pytest.raises(ValueError):
-        _ratios("r", [1.0], [1.0, 2.0])
+        ratios("r", [1.0], [1.0, 2.0])
+
+
+def _burn(cpu_s: float) -> None:
+    end = time.thread_time() + cpu_s
+    while time.thread_time() < end:
+        pass
+
+
+def test_connector_cpu_counts_no_nixl_time_of_uncounted_polls() -> None:
+    """Over TCP, UCX moves the bytes inside every poll's `check_xfer_state` and
+    `get_new_notifs`. The connector's CPU is `start_load_kv` and the reporting poll, less the
+    NIXL calls inside those two only: taking off every poll's NIXL time made it negative."""
+    meters = {k: CpuMeter() for k in ("plan", "post", "transfer", "check", "progress")}
+    transfer, check, progress = (meters[k].wrap(_burn) for k in ("transfer", "check", "progress"))
+    nixl = (meters["transfer"], meters["check"], meters["progress"])
+
+    def post() -> None:
+        _burn(0.001)  # descriptors and checks
+        transfer(0.003)  # the copy, on the CMA path
+
+    def start_load_kv() -> None:
+        _burn(0.002)  # planning and bookkeeping
+        meters["post"].wrap(post)()
+
+    def get_finished() -> None:
+        _burn(0.0005)
+        progress(0.002)  # UCX's TCP progress, from the notification poll
+        check(0.002)  # and from the transfer's
+
+    _, start_cpu = cpu_outside(start_load_kv, nixl)
+    last_cpu = 0.0
+    for _ in range(5):
+        _, last_cpu = cpu_outside(get_finished, nixl)
+    reply = {"wall_s": 0.05, "post_wall_s": 0.01, "start_cpu_s": start_cpu, "last_poll_cpu_s": last_cpu,
+             "polls": 5, "nbytes": 2**20, "descriptors": 4, "meters": {k: m.take() for k, m in meters.items()}}
+    figures = load_figures([reply])
+    assert 0.0035 <= figures["connector_cpu_s"] < 0.0035 + 0.002
+    assert 0.001 <= figures["post_cpu_s"] < 0.001 + 0.001
+    assert figures["nixl_cpu_s"] >= 0.003 + 5 * 0.004
 
 
 def _row(tokens: int, layout: str, ratio: float, cpu_pct: float = 1.0) -> dict[str, object]:

@@ -16,7 +16,7 @@ import os
 import signal
 import tempfile
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,7 @@ from kvlink.layout.limits import (
     int_range,
 )
 from kvlink.procs.launcher import (
+    Progress,
     Service,
     free_port,
     start_process,
@@ -49,7 +50,6 @@ from kvlink.procs.launcher import (
 )
 from kvlink.transfer.framing import SECRET_ENV
 
-Progress = Callable[[str], None]
 INSTANCES = int_range(1, 64)  # P (or D) instances of one local deployment
 
 

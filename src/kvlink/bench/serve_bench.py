@@ -14,7 +14,6 @@ import random
 import statistics
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,8 +35,7 @@ from kvlink.layout.limits import (
     check_fields,
     int_range,
 )
-
-Progress = Callable[[str], None]
+from kvlink.procs.launcher import Progress
 
 
 @dataclass(frozen=True)

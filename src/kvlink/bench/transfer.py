@@ -34,6 +34,8 @@ from kvlink.bench.transfer_proc import (
     python_argv,
     stop_all,
 )
+from kvlink.bench.transfer_report import progress_line
+from kvlink.bench.transfer_stats import load_figures, ratios, summarize
 from kvlink.connector.api import RequestView
 from kvlink.connector.config import ConnectorConfig
 from kvlink.connector.scheduler import NixlScheduler
@@ -284,19 +286,7 @@ class _Runner:
             for r in results:
                 r["nbytes"] = sum(int(t["nbytes"]) for t in p_records) // self.o.d_tp
                 r["descriptors"] = sum(int(t["descriptors"]) for t in p_records) // self.o.d_tp
-        wall = max(r["wall_s"] for r in results)
-        conn_cpu = [r["post_cpu_s"] + r["last_poll_cpu_s"] - r["meters"]["nixl"]["cpu_s"] for r in results]
-        return {
-            "wall_s": wall, "nbytes": sum(r["nbytes"] for r in results),
-            "rank0_nbytes": results[0]["nbytes"], "rank0_descriptors": results[0]["descriptors"],
-            "descriptors": sum(r["descriptors"] for r in results),
-            "plan_cpu_s": max(r["meters"]["plan"]["cpu_s"] for r in results),
-            "post_cpu_s": max(r["meters"]["post"]["cpu_s"] - r["meters"]["nixl"]["cpu_s"] for r in results),
-            "nixl_cpu_s": max(r["meters"]["nixl"]["cpu_s"] for r in results),
-            "nixl_wall_s": max(r["meters"]["nixl"]["wall_s"] for r in results),
-            "connector_cpu_s": max(conn_cpu), "polls": max(r["polls"] for r in results),
-            "post_wall_s": max(r["post_wall_s"] for r in results),
-        }
+        return load_figures(results)
 
     def run(self, memcpy: dict[int, dict[str, float]]) -> dict[str, Any]:
         o = self.o
@@ -314,7 +304,7 @@ class _Runner:
         for tokens in o.tokens:
             for layout in ("contiguous", "fragmented"):
                 rows.append(self._measure(tokens, layout, remotes, memcpy[tokens]))
-                self.log(_progress(rows[-1]))
+                self.log(progress_line(rows[-1]))
         return {"options": dataclasses.asdict(o), "sizes": self.sizes, "handshake_s": handshake_s,
                 "first_request_s": first["wall_s"], "rows": rows, "memcpy": memcpy}
 
@@ -358,17 +348,17 @@ class _Runner:
         # an untimed request whose pages are then compared (the raw READs overwrite D's buffer)
         p_ids, d_ids = self._ids(tokens, layout)
         self.request(tokens, p_ids, d_ids)
-        row = _summarize(tokens, layout, samples, memcpy)
+        row = summarize(tokens, layout, samples, memcpy)
         row["verified_pages"] = self._verify(p_ids, d_ids)
         walls = [s["wall_s"] for s in samples]
         raw_s = statistics.median(raw_times)
         row.update(raw_s=raw_s, raw_gbps=row["rank0_nbytes"] / raw_s / 1e9, raw_all_s=raw_times,
                    raw_descriptors=raw["descriptors"], raw_merged=raw["merged_descriptors"],
                    raw_desc_bytes=raw["desc_bytes"])
-        row.update(_ratios("ratio_vs_raw", raw_times, walls))
+        row.update(ratios("ratio_vs_raw", raw_times, walls))
         if same_times:
             row.update(same_s=statistics.median(same_times), same_all_s=same_times)
-            row.update(_ratios("ratio_vs_same", same_times, walls))
+            row.update(ratios("ratio_vs_same", same_times, walls))
         return row
 
     def _verify(self, p_ids: list[int], d_ids: list[int]) -> int:
@@ -384,37 +374,3 @@ class _Runner:
             if want != got:
                 raise RuntimeError(f"rank {rank}: moved pages differ from P's (digest mismatch)")
         return len(picks) * self.o.d_tp
-
-
-def _summarize(tokens: int, layout: str, samples: list[dict[str, Any]], memcpy: dict[str, float]) -> dict[str, Any]:
-    med: Callable[[str], float] = lambda key: statistics.median(float(s[key]) for s in samples)  # noqa: E731
-    wall = med("wall_s")
-    nbytes = samples[0]["nbytes"]
-    return {
-        "tokens": tokens, "layout": layout, "nbytes": nbytes, "rank0_nbytes": samples[0]["rank0_nbytes"],
-        "rank0_descriptors": samples[0]["rank0_descriptors"], "descriptors": samples[0]["descriptors"],
-        "wall_s": wall, "gbps": nbytes / wall / 1e9, "rank0_gbps": samples[0]["rank0_nbytes"] / wall / 1e9,
-        "plan_cpu_s": med("plan_cpu_s"), "post_cpu_s": med("post_cpu_s"), "nixl_cpu_s": med("nixl_cpu_s"),
-        "nixl_wall_s": med("nixl_wall_s"), "connector_cpu_s": med("connector_cpu_s"),
-        "cpu_pct": 100 * med("connector_cpu_s") / wall, "post_wall_s": med("post_wall_s"),
-        "polls": med("polls"), "polls_all": [s["polls"] for s in samples],
-        "memcpy_s": memcpy["s"], "memcpy_gbps": memcpy["gbps"], "repeats": len(samples),
-        "wall_all_s": [s["wall_s"] for s in samples],
-    }
-
-
-def _ratios(key: str, baseline_s: list[float], connector_s: list[float]) -> dict[str, Any]:
-    """Connector throughput over a baseline's, per round (time ratio) and their median."""
-    per_round = [b / c for b, c in zip(baseline_s, connector_s, strict=True)]
-    return {key: statistics.median(per_round), f"{key}_all": per_round,
-            f"{key}_of_medians": statistics.median(baseline_s) / statistics.median(connector_s)}
-
-
-def _progress(row: dict[str, Any]) -> str:
-    return (f"  {row['tokens']:>6} tokens {row['layout']:<10} {row['nbytes'] / 2**20:8.1f} MiB  "
-            f"connector {row['wall_s'] * 1e3:8.2f} ms {row['gbps']:6.2f} GB/s  "
-            f"raw NIXL {row['raw_s'] * 1e3:8.2f} ms ({row['raw_descriptors']} x {row['raw_desc_bytes'] // 1024} KiB)  "
-            f"x{row['ratio_vs_raw']:.2f}"
-            + (f" (same descriptors x{row['ratio_vs_same']:.2f})" if "ratio_vs_same" in row else "")
-            + f"  cpu {row['connector_cpu_s'] * 1e3:.2f} ms ({row['cpu_pct']:.1f}%)")
-

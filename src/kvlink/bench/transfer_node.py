@@ -3,10 +3,12 @@
 Commands on top of `transfer_peer.PeerServer`:
 
 * `load_timed {entry}` (D): post one load through `start_load_kv` and poll
-  `get_finished()` in a tight loop until it finishes; returns the wall time and the
-  connector's CPU time split into planning (`TransferPlan.request_ids`), posting
-  (`NixlAgent.post`) and the time spent inside NIXL's `transfer`/`check_xfer_state`
-  (on the CMA path the copy itself runs there, so it is subtracted).
+  `get_finished()` in a tight loop until it finishes; returns the wall time, the thread
+  CPU of `start_load_kv` and of the poll that reported the request, each less the time
+  spent inside NIXL's `transfer`/`check_xfer_state`/`get_new_notifs` during that very call
+  (the copy runs there: inside `transfer` on the CMA path; over TCP inside whichever of
+  them drives UCX's progress, in every poll), and meters of planning
+  (`TransferPlan.request_ids`), posting (`NixlAgent.post`) and those NIXL calls.
 * `raw_expose` (P) / `raw_read` (D): a bare `NixlAgent` pair over the same buffers, READing
   the same bytes as one descriptor, or as N equal descriptors at shuffled positions. The
   pair connects once, untimed (as the connector's handshake is timed apart).
@@ -22,8 +24,8 @@ import hashlib
 import json
 import sys
 import time
-from collections.abc import Callable
-from typing import IO, Any
+from collections.abc import Callable, Sequence
+from typing import IO, Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -34,6 +36,7 @@ from kvlink.layout.geometry import build_worker_geometry, packed_base_addrs
 from kvlink.transfer.agent import NixlAgent
 
 ALIGN = 4096
+T = TypeVar("T")
 
 
 class CpuMeter:
@@ -62,6 +65,17 @@ class CpuMeter:
         return out
 
 
+def cpu_outside(call: Callable[[], T], inner: Sequence[CpuMeter]) -> tuple[T, float]:
+    """Run `call`; its result and the thread CPU it spent outside the calls `inner` meters.
+
+    Only what those meters gathered during this call is taken off: NIXL's CPU in polls
+    that are not counted (over TCP, UCX moves the bytes in every one) belongs to no window.
+    """
+    cpu0, inner0 = time.thread_time(), sum(m.cpu_s for m in inner)
+    out = call()
+    return out, (time.thread_time() - cpu0) - (sum(m.cpu_s for m in inner) - inner0)
+
+
 class BenchPeer(PeerServer):
     def __init__(self, cfg: dict[str, Any], out: IO[str]) -> None:
         super().__init__(cfg, out)
@@ -80,7 +94,7 @@ class BenchPeer(PeerServer):
                                               self.kernel_block_size, self.num_blocks, bases)
         self.start([r.base for r in self.geometry.regions],
                    [r.page_stride * r.num_pages for r in self.geometry.regions])
-        self.meters = {k: CpuMeter() for k in ("plan", "post", "nixl")}
+        self.meters = {k: CpuMeter() for k in ("plan", "post", "transfer", "check", "progress")}
         self._instrumented: set[int] = set()
         self.raw_agent: NixlAgent | None = None
         self._raw_remotes: dict[str, str] = {}
@@ -104,8 +118,9 @@ class BenchPeer(PeerServer):
         if id(agent) not in self._instrumented:
             self._instrumented.add(id(agent))
             raw = agent._agent
-            raw.transfer = self.meters["nixl"].wrap(raw.transfer)
-            raw.check_xfer_state = self.meters["nixl"].wrap(raw.check_xfer_state)
+            raw.transfer = self.meters["transfer"].wrap(raw.transfer)
+            raw.check_xfer_state = self.meters["check"].wrap(raw.check_xfer_state)
+            raw.get_new_notifs = self.meters["progress"].wrap(raw.get_new_notifs)
             agent.post = self.meters["post"].wrap(agent.post)  # type: ignore[method-assign]
         for engine in self.worker.engines.values():
             plan = engine.plan
@@ -122,15 +137,14 @@ class BenchPeer(PeerServer):
             meter.take()
         from kvlink.connector.api import StepMetadata
 
-        c0, t0 = time.thread_time(), time.perf_counter()
-        self.worker.start_load_kv(StepMetadata(loads=[entry]))
-        post_wall, post_cpu = time.perf_counter() - t0, time.thread_time() - c0
+        nixl = (self.meters["transfer"], self.meters["check"], self.meters["progress"])
+        t0 = time.perf_counter()
+        _, start_cpu = cpu_outside(lambda: self.worker.start_load_kv(StepMetadata(loads=[entry])), nixl)
+        post_wall = time.perf_counter() - t0
         polls, status = 0, "timeout"
         last_cpu = 0.0
         while time.perf_counter() - t0 < timeout:
-            c1 = time.thread_time()
-            out = self.worker.get_finished()
-            last_cpu = time.thread_time() - c1
+            out, last_cpu = cpu_outside(self.worker.get_finished, nixl)
             polls += 1
             self._record(out)
             if rid in out.failed_recving:
@@ -145,7 +159,7 @@ class BenchPeer(PeerServer):
         self._take_stats()
         records = [t for t in self.transfers if t["request_id"] == rid]
         return {
-            "status": status, "wall_s": wall, "post_wall_s": post_wall, "post_cpu_s": post_cpu,
+            "status": status, "wall_s": wall, "post_wall_s": post_wall, "start_cpu_s": start_cpu,
             "last_poll_cpu_s": last_cpu, "polls": polls, "meters": meters,
             "nbytes": sum(int(t["nbytes"]) for t in records),
             "descriptors": sum(int(t["descriptors"]) for t in records),

@@ -1,10 +1,20 @@
-"""Table, target verdicts and chart for `kvlink bench transfer` results."""
+"""Progress lines, table, target verdicts and chart for `kvlink bench transfer` results."""
 
 from __future__ import annotations
 
 from typing import Any
 
 CPU_TARGET_TOKENS = 4096
+
+
+def progress_line(row: dict[str, Any]) -> str:
+    """One size and layout's row as the bench prints it while running."""
+    return (f"  {row['tokens']:>6} tokens {row['layout']:<10} {row['nbytes'] / 2**20:8.1f} MiB  "
+            f"connector {row['wall_s'] * 1e3:8.2f} ms {row['gbps']:6.2f} GB/s  "
+            f"raw NIXL {row['raw_s'] * 1e3:8.2f} ms ({row['raw_descriptors']} x {row['raw_desc_bytes'] // 1024} KiB)  "
+            f"x{row['ratio_vs_raw']:.2f}"
+            + (f" (same descriptors x{row['ratio_vs_same']:.2f})" if "ratio_vs_same" in row else "")
+            + f"  cpu {row['connector_cpu_s'] * 1e3:.2f} ms ({row['cpu_pct']:.1f}%)")
 
 
 def table(result: dict[str, Any]) -> str:

@@ -65,14 +65,14 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvlink.bench.vllm_pd import (
+    from kvlink.bench.vllm_config import (
         MIXED_BLOCKS,
         SAME_BLOCKS,
         VllmBenchConfig,
         default_model_dir,
-        refresh,
-        run_bench,
     )
+    from kvlink.bench.vllm_pd import run_bench
+    from kvlink.bench.vllm_report import refresh
 
     out_dir: Path = args.out_dir
     if args.from_json is not None:
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def report(result: dict[str, Any], args: argparse.Namespace, out_dir: Path, write: bool) -> None:
-    from kvlink.bench.vllm_pd import plot, render_markdown, render_table, write_json
+    from kvlink.bench.vllm_report import plot, render_markdown, render_table, write_json
 
     print()
     print(render_table(result))

@@ -16,11 +16,14 @@ from pathlib import Path
 
 import httpx
 
+Progress = Callable[[str], None]
+"""Where a long wait reports how it goes, a line at a time (print by default)."""
+
 # Ports this process has handed out: never twice, so two children started back to back
 # cannot be given the same one before either has bound it.
 _handed_out: set[int] = set()
 # Where listen ports are drawn from: clear of the fixed ports kvlink's tests and benches use
-# (side channels 5600-5899, vLLM servers 18300-18499, vllm-router metrics 29000).
+# (side channels 5600-5899, vLLM test servers 18300-18399, vllm-router metrics 29000).
 _LISTEN_RANGE = (20000, 28900)
 
 
@@ -102,20 +105,45 @@ def start_service(name: str, args: Sequence[str], port: int, log_dir: Path,
 
 
 def start_process(name: str, argv: Sequence[str], url: str, log_dir: Path,
-                  env: dict[str, str] | None = None, cpus: Sequence[int] | None = None) -> Service:
-    """Run `argv` in its own process group, output to `log_dir/<name>.log`; it will answer at `url`."""
+                  env: dict[str, str] | None = None, cpus: Sequence[int] | None = None,
+                  cwd: Path | None = None) -> Service:
+    """Run `argv` in its own process group (from `cwd`, default this process's), output to
+    `log_dir/<name>.log`; it will answer at `url`."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     full_env = {**os.environ, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"),
                 "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, env=full_env,
-                                start_new_session=True)
+                                cwd=cwd, start_new_session=True)
     if cpus:
         # Set before the interpreter has started any thread; later threads and children inherit it.
-        with contextlib.suppress(ProcessLookupError):
+        try:
             os.sched_setaffinity(proc.pid, set(cpus))
+        except ProcessLookupError:
+            pass  # it exited already: waiting on it reports that, with its log
+        except OSError:  # no such core: the child must not run on, unpinned and unowned
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait(timeout=5)
+            raise
     return Service(name, proc, url, log_path)
+
+
+def run_logged(name: str, argv: Sequence[str], log_dir: Path, timeout_s: float,
+               env: dict[str, str] | None = None, cwd: Path | None = None) -> Service:
+    """Run a command that serves nothing (a client) to its end, like `start_process`; returns it
+    finished. Raises TimeoutError past `timeout_s`; stopped by group if the wait is cut short."""
+    svc = start_process(name, argv, "", log_dir, env, cwd=cwd)
+    try:
+        svc.proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        stop_all([svc], timeout_s=5.0)
+        raise TimeoutError(f"{name} still running after {timeout_s:.0f}s; log {svc.log_path}:\n"
+                           f"{svc.log_tail()}") from None
+    except BaseException:
+        stop_all([svc], timeout_s=5.0)
+        raise
+    return svc
 
 
 def _answers_health(client: httpx.Client, svc: Service) -> bool:
@@ -123,7 +151,7 @@ def _answers_health(client: httpx.Client, svc: Service) -> bool:
 
 
 def wait_healthy(services: Sequence[Service], timeout_s: float,
-                 progress: Callable[[str], None] = print,
+                 progress: Progress = print,
                  is_ready: Callable[[httpx.Client, Service], bool] = _answers_health,
                  tail_lines: int = 20, report_every_s: float = 5.0) -> dict[str, float]:
     """Poll each service until `is_ready` (default: /health answers 200); fail fast, with the
@@ -159,8 +187,10 @@ def wait_healthy(services: Sequence[Service], timeout_s: float,
     return ready
 
 
-def stop_all(services: Sequence[Service], timeout_s: float = 15.0) -> None:
-    """SIGTERM each process group, wait up to `timeout_s`, then SIGKILL what is left."""
+def stop_all(services: Sequence[Service], timeout_s: float = 15.0,
+             straggler_grace_s: float = 0.5) -> None:
+    """SIGTERM each process group, wait up to `timeout_s` for the leaders, then SIGKILL what is
+    left of each group (after `straggler_grace_s` for members still exiting)."""
     for svc in services:
         if svc.proc.poll() is None:
             _signal_group(svc.proc, signal.SIGTERM)
@@ -171,8 +201,26 @@ def stop_all(services: Sequence[Service], timeout_s: float = 15.0) -> None:
         except subprocess.TimeoutExpired:
             _signal_group(svc.proc, signal.SIGKILL)
             svc.proc.wait(timeout=5)
+    # A member may outlive its leader (vLLM's engine core, a TP follower); one that is a zombie
+    # nobody reaps keeps the group "alive", hence a bounded grace rather than a wait.
+    grace_end = time.monotonic() + straggler_grace_s
+    for svc in services:
+        while _group_alive(svc.proc.pid) and time.monotonic() < grace_end:
+            time.sleep(0.05)
+        if _group_alive(svc.proc.pid):  # the group id cannot have been reused while it has members
+            _signal_group(svc.proc, signal.SIGKILL)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a member exists, whoever it now runs as
+        pass
+    return True
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError):
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
