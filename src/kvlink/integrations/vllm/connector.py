@@ -1,6 +1,7 @@
-"""`KvlinkConnector`: a vLLM V1 KV connector (loaded by `kv_connector_module_path`) on
-kvlink's connector core. One instance per role: SCHEDULER in the EngineCore process,
-WORKER in each worker process; the API-server process only imports the class.
+"""`KvlinkConnector`: a vLLM V1 KV connector (found by name through `.plugin`, or by
+`kv_connector_module_path`) on kvlink's connector core. One instance per role: SCHEDULER
+in the EngineCore process, WORKER in each worker process; the API-server process only
+imports the class.
 """
 
 from __future__ import annotations
