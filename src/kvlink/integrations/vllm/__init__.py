@@ -1,12 +1,13 @@
 """kvlink as a vLLM KV connector. vLLM loads it with
 
     --kv-transfer-config '{"kv_connector": "KvlinkConnector",
-                           "kv_connector_module_path": "kvlink.integrations.vllm",
                            "kv_role": "kv_both", "kv_connector_extra_config": {...}}'
 
+finding the name through installed kvlink's `vllm.general_plugins` entry point (`.plugin`),
+or with `"kv_connector_module_path": "kvlink.integrations.vllm"` added, through this package.
 This package is the only place in kvlink that imports vLLM (see docs/vllm.md). The connector
-classes are loaded on first access (PEP 562), so `kvlink.integrations.vllm.models` and
-`.launch` (model dirs and server command lines) import without vLLM installed.
+classes are loaded on first access (PEP 562), so `kvlink.integrations.vllm.models`, `.launch`
+and `.plugin` (model dirs, server command lines, the entry point) import without vLLM.
 """
 
 from __future__ import annotations

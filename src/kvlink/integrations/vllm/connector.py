@@ -1,6 +1,7 @@
-"""`KvlinkConnector`: a vLLM V1 KV connector (loaded by `kv_connector_module_path`) on
-kvlink's connector core. One instance per role: SCHEDULER in the EngineCore process,
-WORKER in each worker process; the API-server process only imports the class.
+"""`KvlinkConnector`: a vLLM V1 KV connector (found by name through `.plugin`, or by
+`kv_connector_module_path`) on kvlink's connector core. One instance per role: SCHEDULER
+in the EngineCore process, WORKER in each worker process; the API-server process only
+imports the class.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from kvlink.integrations.vllm.layout import (
     SUPPORTED_LAYOUT,
     GroupInfo,
     UnsupportedVllmLayout,
-    hybrid_model_spec,
+    model_spec,
 )
 from kvlink.integrations.vllm.options import (
     agent_config,
@@ -129,7 +130,7 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
         spec = next(g for g in groups if g.kind == "attention")
         dtype = spec.dtype
         self._spec, self._groups = spec, groups
-        model = hybrid_model_spec(_model_name(vllm_config), groups, model_config.get_total_num_kv_heads())
+        model = model_spec(_model_name(vllm_config), groups, model_config.get_total_num_kv_heads())
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -157,10 +158,10 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
             torch_dtype = getattr(torch, dtype)
             isa = _get_attn_isa(torch_dtype, spec.block_size, spec.head_dim)
             self._worker = WorkerSide(
-                self.config, model_name=_model_name(vllm_config),
+                self.config, model,
                 tp_size=get_tensor_model_parallel_world_size(), tp_rank=get_tensor_model_parallel_rank(),
-                num_kv_heads_total=model_config.get_total_num_kv_heads(), head_dim=spec.head_dim,
-                block_size=spec.block_size, dtype=dtype, isa=isa, model=model, groups=groups if hybrid else None,
+                head_dim=spec.head_dim, block_size=spec.block_size, dtype=dtype, isa=isa,
+                groups=groups if hybrid else None,
                 metrics_port=metrics_port(transfer.kv_connector_extra_config),
                 agent_config=agent_config(transfer.kv_connector_extra_config))
 

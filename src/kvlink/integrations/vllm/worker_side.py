@@ -14,7 +14,7 @@ from kvlink.connector.worker import NixlWorker
 from kvlink.integrations.vllm.layout import (
     GroupInfo,
     LayerTensor,
-    attention_model_spec,
+    UnsupportedVllmLayout,
     check_hybrid_tensors,
     check_layer_tensors,
     order_layers,
@@ -32,21 +32,20 @@ TORCH_DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch
 
 
 class WorkerSide:
-    def __init__(self, config: ConnectorConfig, *, model_name: str, tp_size: int, tp_rank: int,
-                 num_kv_heads_total: int, head_dim: int, block_size: int, dtype: str, isa: str,
+    def __init__(self, config: ConnectorConfig, model: ModelSpec, *, tp_size: int, tp_rank: int,
+                 head_dim: int, block_size: int, dtype: str, isa: str,
                  metrics_port: int | None = None, agent_config: AgentConfig | None = None,
-                 model: ModelSpec | None = None, groups: Sequence[GroupInfo] | None = None) -> None:
+                 groups: Sequence[GroupInfo] | None = None) -> None:
         self.config = config
-        self.model_name = model_name
+        self.model = model
         self.tp_size, self.tp_rank = tp_size, tp_rank
-        self.num_kv_heads_total, self.head_dim = num_kv_heads_total, head_dim
+        self.head_dim = head_dim
         self.block_size, self.dtype, self.isa = block_size, dtype, isa
         self.core: NixlWorker | None = None
         self._last_progress = 0.0
         self._counters: dict[str, int] = {}
         self._metrics_port = metrics_port
         self._agent_config = agent_config
-        self._model = model  # None: built from the registered layers (attention only)
         self._groups = groups  # hybrid: vLLM's groups, whose layers alias one allocation
         self.metrics: WorkerMetrics | None = None
 
@@ -58,18 +57,18 @@ class WorkerSide:
         ]
         order = page_order_for(self.isa, self.dtype, self.block_size, self.head_dim)
         ssm_page_stride: int | None = None
-        if self._groups is not None and self._model is not None:
+        if self._groups is not None:
             bases, sizes, num_blocks, ssm_page_stride = check_hybrid_tensors(tensors, self._groups)
-            model, n_layers = self._model, self._model.num_layers
         else:
             layers = order_layers(tensors)
+            if len(layers) != self.model.num_layers:
+                raise UnsupportedVllmLayout(
+                    f"kvlink: vLLM registered KV caches of {len(layers)} distinct layers "
+                    f"{[t.name for t in layers]}; its KV-cache group has {self.model.num_layers}")
             bases, sizes, num_blocks = check_layer_tensors(
                 layers, num_kv_heads=local_kv_heads, block_size=self.block_size, head_dim=self.head_dim,
                 dtype=self.dtype)
-            model = attention_model_spec(self.model_name, self.num_kv_heads_total, self.head_dim, self.dtype,
-                                         len(layers))
-            n_layers = len(layers)
-        core = NixlWorker(self.config, model, self.tp_size, self.tp_rank, self.block_size, self.block_size,
+        core = NixlWorker(self.config, self.model, self.tp_size, self.tp_rank, self.block_size, self.block_size,
                           num_blocks, agent_config=self._agent_config, page_order=order,
                           ssm_page_stride=ssm_page_stride, aliased=self._groups is not None)
         core.register_kv_caches(bases, sizes)
@@ -79,7 +78,7 @@ class WorkerSide:
                                          self.debug_state, f'engine_id="{self.config.engine_id}",rank="{self.tp_rank}"')
             log.info("kvlink worker metrics on http://%s:%d/metrics", self.config.side_channel_host, self.metrics.port)
         log.info("kvlink in vLLM: rank %d/%d registered %d layers x %d blocks of %d tokens (%s, page order "
-                 "%s), side channel %s:%d", self.tp_rank, self.tp_size, n_layers, num_blocks,
+                 "%s), side channel %s:%d", self.tp_rank, self.tp_size, self.model.num_layers, num_blocks,
                  self.block_size, self.dtype, order, self.config.side_channel_host, core.side_channel_port)
 
     def start_load_kv(self, step: StepMetadata) -> None:

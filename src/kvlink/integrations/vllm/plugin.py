@@ -1,0 +1,29 @@
+"""vLLM's `vllm.general_plugins` entry point: registers `KvlinkConnector` by name, so a
+`--kv-transfer-config` of `{"kv_connector": "KvlinkConnector", ...}` needs no module path.
+
+Imports nothing of vLLM until vLLM calls `register`, and then only its connector factory:
+the connector class (torch, NIXL) loads when vLLM first asks the factory for it.
+"""
+
+from __future__ import annotations
+
+CONNECTOR_NAME = "KvlinkConnector"
+CONNECTOR_MODULE = "kvlink.integrations.vllm.connector"
+
+_registered = False
+
+
+def register() -> None:
+    """Register the connector's name with vLLM's connector factory, once per process.
+
+    vLLM runs its general plugins in each of its processes (API server, engine core,
+    workers), and a forked child inherits its parent's registry; the factory refuses a
+    name registered twice, so a second call here does nothing.
+    """
+    global _registered
+    if _registered:
+        return
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME)
+    _registered = True
