@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable
 from typing import Any
 
 from kvlink.cli.ranges import ranged
@@ -57,21 +57,17 @@ def run(args: argparse.Namespace) -> int:
     p = EngineConfig(args.p_tp, args.p_block_size, _kernel(args.p_kernel_block_size, args.p_block_size))
     d = EngineConfig(args.d_tp, args.d_block_size, _kernel(args.d_kernel_block_size, args.d_block_size))
     model = preset(args.preset)
+    request = (model, p, d, args.tokens, args.d_computed_tokens, args.scatter)
     try:
-        # Both check everything before the first line is printed.
-        if args.json:
-            pieces: Iterator[str] = plan_json(model, p, d, args.tokens, args.d_computed_tokens, args.scatter)
-        else:
-            pieces = iter((render(plan_report(model, p, d, args.tokens, args.d_computed_tokens,
-                                              args.scatter)), "\n"))
+        # Either checks everything before the first character is written; --json then streams.
+        pieces: Iterable[str] = plan_json(*request) if args.json else [render(plan_report(*request)), "\n"]
     except IncompatibleLayout as exc:
         print(f"kvlink plan: {exc}", file=sys.stderr)
         return 2
     except ValueError as exc:
         print(f"kvlink plan: impossible request: {exc}", file=sys.stderr)
         return 2
-    for piece in pieces:
-        sys.stdout.write(piece)
+    sys.stdout.writelines(pieces)
     return 0
 
 
