@@ -224,9 +224,9 @@ def test_plan_over_the_report_bound_is_refused_with_its_size() -> None:
     assert "the plans of all 1 D rank(s) needs 24576.0 MiB of descriptor lists" in err, err
 
 
-def test_plan_json_over_the_listing_bound_is_refused() -> None:
-    code, _, err = run_cli([*PLAN_BASE, "--tokens", "2000000", "--json"])
-    assert code == 2 and "listing every transfer (--json) may take up to 4000000 entries" in err, err
+def test_plan_json_over_the_report_bound_is_refused() -> None:
+    code, _, err = run_cli([*PLAN_BASE, "--tokens", "6000000", "--json"])
+    assert code == 2 and "more than the bound of 512 MiB" in err and "caps --json at" in err, err
 
 
 def test_bench_plan_over_the_bound_exits_2() -> None:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+from collections.abc import Iterable
 from typing import Any
 
 from kvlink.cli.ranges import ranged
@@ -21,6 +21,7 @@ from kvlink.layout.limits import (
 from kvlink.layout.presets import PRESETS, preset
 from kvlink.plan.compat import IncompatibleLayout
 from kvlink.plan.report import EngineConfig, plan_report
+from kvlink.plan.report_json import plan_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,20 +56,18 @@ def _kernel(kernel_block_size: int | None, block_size: int) -> int:
 def run(args: argparse.Namespace) -> int:
     p = EngineConfig(args.p_tp, args.p_block_size, _kernel(args.p_kernel_block_size, args.p_block_size))
     d = EngineConfig(args.d_tp, args.d_block_size, _kernel(args.d_kernel_block_size, args.d_block_size))
+    model = preset(args.preset)
+    request = (model, p, d, args.tokens, args.d_computed_tokens, args.scatter)
     try:
-        report = plan_report(preset(args.preset), p, d, args.tokens, args.d_computed_tokens,
-                             args.scatter, with_transfers=args.json)
+        # Either checks everything before the first character is written; --json then streams.
+        pieces: Iterable[str] = plan_json(*request) if args.json else [render(plan_report(*request)), "\n"]
     except IncompatibleLayout as exc:
         print(f"kvlink plan: {exc}", file=sys.stderr)
         return 2
     except ValueError as exc:
         print(f"kvlink plan: impossible request: {exc}", file=sys.stderr)
         return 2
-    if args.json:
-        json.dump(report, sys.stdout, indent=1)
-        sys.stdout.write("\n")
-    else:
-        print(render(report))
+    sys.stdout.writelines(pieces)
     return 0
 
 

@@ -7,8 +7,8 @@ one is configured, is logged, counted and dropped; it never changes another requ
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
+from kvlink.connector.lease import LeaseTable
 from kvlink.connector.notifs import (
     BadNotification,
     Done,
@@ -18,33 +18,34 @@ from kvlink.connector.notifs import (
     UnauthenticatedNotification,
     decode,
 )
-
-if TYPE_CHECKING:
-    from kvlink.connector.worker import NixlWorker
+from kvlink.connector.push import PushWriter
+from kvlink.connector.stats import ConnectorStats
+from kvlink.transfer.agent import NixlAgent
 
 log = logging.getLogger("kvlink.connector")
 
 
-def drain_notifications(worker: NixlWorker, now: float) -> None:
-    """Also drives NIXL progress when the agent runs without a progress thread."""
-    assert worker.agent is not None and worker.push is not None
-    for sender, messages in worker.agent.get_notifs().items():
+def drain_notifications(agent: NixlAgent, secret: bytes | None, stats: ConnectorStats,
+                        leases: LeaseTable, push: PushWriter, now: float) -> None:
+    """Dispatch what `agent` received: frees to `leases`, push traffic to `push`. Also drives
+    NIXL progress when the agent runs without a progress thread."""
+    for sender, messages in agent.get_notifs().items():
         for raw in messages:
             try:
-                msg = decode(raw, worker.secret)
+                msg = decode(raw, secret)
             except UnauthenticatedNotification as exc:
-                worker.stats.count("unauthenticated_notifications_total")
+                stats.count("unauthenticated_notifications_total")
                 log.warning("dropping notification from %s: %s", sender, exc)
                 continue
             except BadNotification as exc:
-                worker.stats.count("bad_notifications_total")
+                stats.count("bad_notifications_total")
                 log.warning("dropping notification from %s: %s", sender, exc)
                 continue
             if isinstance(msg, Done):
-                worker.leases.notify(msg.request_id, msg.expected, now)
+                leases.notify(msg.request_id, msg.expected, now)
             elif isinstance(msg, Heartbeat):
-                worker.leases.heartbeat(list(msg.request_ids), now)
+                leases.heartbeat(list(msg.request_ids), now)
             elif isinstance(msg, PushRequest):
-                worker.push.on_push_request(msg, now)
+                push.on_push_request(msg, now)
             elif isinstance(msg, Pushed):
-                worker.push.on_pushed(msg.request_id, sender)
+                push.on_pushed(msg.request_id, sender)

@@ -10,28 +10,39 @@ the rest and fails the request with exactly its blocks named.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any
 
 from kvlink.connector.loads import Load
 from kvlink.connector.notifs import Done, encode
 from kvlink.connector.remote import RemoteEngine
+from kvlink.connector.staging import LocalPages
+from kvlink.connector.worker_parts import WorkerParts
+from kvlink.layout.geometry import WorkerGeometry
 from kvlink.layout.spec import ModelSpec, is_ssm
 from kvlink.plan.staged import StagedRequest
+from kvlink.transfer.agent import NixlAgent
+from kvlink.transfer.inflight import InflightTracker
 from kvlink.transfer.xfer import Transfer, TransferFailed
-
-if TYPE_CHECKING:
-    from kvlink.connector.worker import NixlWorker
 
 
 class PullReader:
-    def __init__(self, worker: NixlWorker) -> None:
+    """Built at registration; `engines` is the worker's directory of remote engines by id."""
+
+    def __init__(self, worker: WorkerParts, agent: NixlAgent, geometry: WorkerGeometry,
+                 inflight: InflightTracker, engines: Mapping[str, RemoteEngine]) -> None:
         self.worker = worker
+        self.agent = agent
+        self.geometry = geometry
+        self.inflight = inflight
+        self.engines = engines
+        self._local_pages: LocalPages | None = None
 
     def start(self, engine: RemoteEngine, entry: dict[str, Any]) -> bool:
         """Post a load's READs (or fail it); False while it waits for staging slots."""
         w = self.worker
         rid = entry["request_id"]
-        assert engine.plan is not None and w.agent is not None and w.inflight is not None
+        assert engine.plan is not None
         if not self.same_incarnation(engine, entry):
             return True
         staged: StagedRequest | None = None
@@ -59,7 +70,7 @@ class PullReader:
                 continue
             attached = done if w.notifier is None else b""
             try:
-                t = w.agent.post("READ", handles.local_handle, spec.local_idx,
+                t = self.agent.post("READ", handles.local_handle, spec.local_idx,
                                  handles.remote_handle, spec.remote_idx, attached, tag=rid)
             except TransferFailed as exc:
                 if not load.transfers and w.retry_after_handshake(
@@ -70,7 +81,7 @@ class PullReader:
             load.transfers.append(t)
             if not attached:
                 load.dones.append((t, handles.agent_name, done))
-            w.inflight.add(t)
+            self.inflight.add(t)
         self.send_dones(load, engine)
         w.notify(engine, entry, "notify", only_extra=True)
         self.maybe_complete(load)
@@ -169,7 +180,8 @@ class PullReader:
         start = time.perf_counter()
         try:
             if staged.runs.size:
-                pool.relayout(w.local_pages(), w.kernel_block_size, w.page_order, w.model.head_dim,
+                g = self.geometry
+                pool.relayout(self.local_pages(), g.kernel_block_size, g.page_order, g.model.head_dim,
                               staged.runs)
         finally:
             pool.give(staged.slots)
@@ -177,17 +189,22 @@ class PullReader:
         w.stats.count("relayout_bytes_total", staged.relayout_bytes)
         return elapsed
 
+    def local_pages(self) -> LocalPages:
+        """Our attention pages as arrays, built at the first staged read."""
+        if self._local_pages is None:
+            self._local_pages = LocalPages(self.geometry)
+        return self._local_pages
+
     def failed(self, load: Load, engine: RemoteEngine | None, reason: str) -> None:
         w = self.worker
         if load.failed:
             return
-        assert w.agent is not None
         # The tracker's reason reaches us wrapped by NixlAgent.abort ("READ with X failed: stalled: ...").
         stalled = reason.startswith("stalled") or " failed: stalled: " in reason
         w.stats.count("stalled_transfers_total" if stalled else "failed_transfers_total")
         for t in load.transfers:
             if not t.finished:
-                w.agent.abort(t, reason)
+                self.agent.abort(t, reason)
         if engine is not None and not stalled:
             w.drop_engine(engine.engine_id)
         if stalled:
@@ -201,7 +218,7 @@ class PullReader:
         load = w.book.get(str(t.tag))
         if load is None or load.pushes_expected:
             return False
-        engine = w.engines.get(load.entry["remote_engine_id"])
+        engine = self.engines.get(load.entry["remote_engine_id"])
         if failed:
             self.failed(load, engine, t.failure or "transfer failed")
         else:

@@ -11,18 +11,17 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvlink.connector.handshakes import HandshakeRunner
 from kvlink.connector.loads import transfer_record
 from kvlink.connector.notifs import Pushed, PushRequest, encode
 from kvlink.connector.remote import RemoteEngine, connect_writer, release_engine
+from kvlink.connector.worker_parts import WorkerParts
 from kvlink.layout.geometry import WorkerGeometry
 from kvlink.transfer.agent import NixlAgent
+from kvlink.transfer.inflight import InflightTracker
 from kvlink.transfer.xfer import Transfer, TransferFailed
-
-if TYPE_CHECKING:
-    from kvlink.connector.worker import NixlWorker
 
 log = logging.getLogger("kvlink.connector.push")
 
@@ -35,10 +34,16 @@ class _Job:
 
 
 class PushWriter:
-    def __init__(self, worker: NixlWorker, agent: NixlAgent, geometry: WorkerGeometry) -> None:
+    """Built at registration. `side_channel_base` is the port of rank 0's side channel of this
+    engine (ours is that plus our rank): what a source P handshakes back with."""
+
+    def __init__(self, worker: WorkerParts, agent: NixlAgent, geometry: WorkerGeometry,
+                 inflight: InflightTracker, side_channel_base: int) -> None:
         self.worker = worker
         self.agent = agent
         self.geometry = geometry
+        self.inflight = inflight
+        self.side_channel_base = side_channel_base
         cfg = worker.config
         self.handshakes = HandshakeRunner(cfg.handshake_timeout_s, cfg.secret)
         self.readers: dict[tuple[str, int], RemoteEngine] = {}
@@ -49,7 +54,6 @@ class PushWriter:
     # ---- D side -------------------------------------------------------------------------
     def request_push(self, engine: RemoteEngine, entry: dict[str, Any]) -> None:
         w = self.worker
-        assert w.server is not None
         now = w.clock()
         assert engine.plan is not None
         try:  # what the sources will write: checks the ids now, and gives the request's figures
@@ -64,12 +68,11 @@ class PushWriter:
         load.push_bytes = sum(spec.nbytes for spec in specs)
         load.push_descriptors = sum(len(spec.local_idx) for spec in specs)
         load.deadline = now + w.config.stall_timeout_s + w.config.handshake_timeout_s
-        assert w.agent is not None
         for rank, name in engine.notify_agents(sources):
             info = {
                 "d_request_id": entry["request_id"], "d_engine_id": w.config.engine_id,
-                "d_host": w.config.side_channel_host, "d_port": w.server.port - w.tp_rank,
-                "d_rank": w.tp_rank, "local_block_ids": entry["local_block_ids"],
+                "d_host": w.config.side_channel_host, "d_port": self.side_channel_base,
+                "d_rank": self.geometry.tp_rank, "local_block_ids": entry["local_block_ids"],
                 "local_computed_tokens": entry["local_computed_tokens"],
                 "num_tokens": entry["num_tokens"], "expected": engine.expected[rank],
                 # wall clock, as kv_expires_at_ms: past it D has given up and P must not write
@@ -189,8 +192,7 @@ class PushWriter:
             self._drop_reader(d_engine, d_rank)
             return not self._retry(job)
         self.writes[id(t)] = (rid, expected, job)
-        assert self.worker.inflight is not None
-        self.worker.inflight.add(t)
+        self.inflight.add(t)
         return True
 
     def on_transfer_done(self, t: Transfer, now: float) -> None:

@@ -30,7 +30,7 @@ from kvlink.connector.notifs import (
 from kvlink.connector.pull import PullReader, all_blocks, local_tail
 from kvlink.connector.push import PushWriter
 from kvlink.connector.remote import RemoteEngine, encode_geometry
-from kvlink.connector.staging import LocalPages, StagingPool
+from kvlink.connector.staging import StagingPool
 from kvlink.connector.stats import ConnectorStats
 from kvlink.layout.geometry import WorkerGeometry, build_worker_geometry, check_worker_sizes
 from kvlink.layout.limits import MAX_PORT
@@ -74,14 +74,13 @@ class NixlWorker(ConnectorWorker):
         self.book = LoadBook()
         self._waiting: list[tuple[str, dict[str, Any]]] = []
         self.out = WorkerOutput()
-        self.pull = PullReader(self)
         self.geometry: WorkerGeometry | None = None
         self.agent: NixlAgent | None = None
         self.server: HandshakeServer | None = None
         self.inflight: InflightTracker | None = None
+        self.pull: PullReader | None = None
         self.push: PushWriter | None = None
         self._staging: dict[int, StagingPool] = {}
-        self._local_pages: LocalPages | None = None
         self.notifier: Notifier | None = None
 
     # ---- registration -------------------------------------------------------------------
@@ -110,7 +109,8 @@ class NixlWorker(ConnectorWorker):
             self.directory.on_release = self._forget_notified
             self.directory.on_connect = self._prepare_notifier
         self.inflight = InflightTracker(agent, self.config.stall_timeout_s)
-        self.push = PushWriter(self, agent, geometry)
+        self.pull = PullReader(self, agent, geometry, self.inflight, self.engines)
+        self.push = PushWriter(self, agent, geometry, self.inflight, int(server.port) - self.tp_rank)
         log.info("kvlink worker %s rank %d/%d: %d regions, %.1f MiB, side channel %s:%d",
                  self.config.engine_id, self.tp_rank, self.tp_size, len(geometry.regions),
                  sum(nbytes) / 2**20, server.host, server.port)
@@ -136,7 +136,7 @@ class NixlWorker(ConnectorWorker):
 
     def _advance(self) -> None:
         """Finish handshakes, then run every waiting entry whose engine is ready."""
-        assert self.agent is not None and self.geometry is not None
+        assert self.agent is not None and self.geometry is not None and self.pull is not None
         self.directory.collect(self.agent, self.geometry, self._fail_waiting, self.staging_for)
         still: list[tuple[str, dict[str, Any]]] = []
         for kind, entry in self._waiting:
@@ -221,12 +221,6 @@ class NixlWorker(ConnectorWorker):
                      remote_kernel_block_size, pool.capacity_bytes / 2**20)
         return pool
 
-    def local_pages(self) -> LocalPages:
-        if self._local_pages is None:
-            assert self.geometry is not None
-            self._local_pages = LocalPages(self.geometry)
-        return self._local_pages
-
     def drop_staging(self, load: Load, quarantine: bool) -> None:
         """Give a failed or requeued load's staging slots back (after the quarantine time when a
         READ into them may still land)."""
@@ -297,10 +291,10 @@ class NixlWorker(ConnectorWorker):
 
     # ---- polling ------------------------------------------------------------------------
     def get_finished(self) -> WorkerOutput:
-        if self.agent is None or self.inflight is None or self.push is None:
+        if self.agent is None or self.inflight is None or self.pull is None or self.push is None:
             return WorkerOutput()
         now = self.clock()
-        drain_notifications(self, now)
+        drain_notifications(self.agent, self.secret, self.stats, self.leases, self.push, now)
         if self.notifier is not None:
             self.notifier.progress()
         self._advance()

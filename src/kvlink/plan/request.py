@@ -10,15 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvlink.layout.spec import SlidingWindow, is_ssm
 from kvlink.plan.descriptors import IntArray, concat_descriptor_ids
-
-if TYPE_CHECKING:
-    from kvlink.plan.transfer_plan import AttentionSegment, SourcePlan, TransferPlan
+from kvlink.plan.plan_types import AttentionSegment, PreparedPlan, SourcePlan
 
 
 @dataclass(frozen=True, eq=False)
@@ -50,7 +47,7 @@ class _ChunkPositions:
 _EMPTY = np.zeros(0, dtype=np.int64)
 
 
-def first_token_to_ship(plan: TransferPlan, group_index: int, num_tokens: int, computed: int) -> int:
+def first_token_to_ship(plan: PreparedPlan, group_index: int, num_tokens: int, computed: int) -> int:
     """First token of a group that must move: after D's prefix hit, and for a sliding window
     group no earlier than the window before the next position (rounded down to a chunk)."""
     group = plan.local.model.groups[group_index]
@@ -74,7 +71,7 @@ def _check_length(ids: IntArray, needed: int, side: str, group: int, needed_toke
 
 
 def _chunk_positions(
-    plan: TransferPlan, group: int, local_ids: IntArray, remote_ids: IntArray, start: int, end: int,
+    plan: PreparedPlan, group: int, local_ids: IntArray, remote_ids: IntArray, start: int, end: int,
     computed: int,
 ) -> _ChunkPositions:
     c = plan.chunk_tokens
@@ -112,7 +109,7 @@ def _segment_offsets(seg: AttentionSegment, pos: _ChunkPositions) -> tuple[IntAr
 
 
 def request_ids(
-    plan: TransferPlan,
+    plan: PreparedPlan,
     local_block_ids: Sequence[Sequence[int] | IntArray],
     remote_block_ids: Sequence[Sequence[int] | IntArray],
     num_tokens_to_ship: int,
@@ -153,7 +150,7 @@ def request_ids(
     return [_source_read(source, positions, state_blocks, num_groups) for source in plan.sources]
 
 
-def _state_blocks(plan: TransferPlan, g: int, local_ids: IntArray, remote_ids: IntArray) -> tuple[int, int]:
+def _state_blocks(plan: PreparedPlan, g: int, local_ids: IntArray, remote_ids: IntArray) -> tuple[int, int]:
     if not local_ids.size or not remote_ids.size:
         raise ValueError(f"SSM group {g} needs a state block on both sides; got {local_ids.size} "
                          f"local and {remote_ids.size} remote")

@@ -21,62 +21,13 @@ from kvlink.layout.page_order import min_chunk_tokens
 from kvlink.plan.budget import DESCRIPTOR_BYTES, check_plan_bytes, descriptor_count
 from kvlink.plan.compat import IncompatibleLayout, check_compatible
 from kvlink.plan.descriptors import DescArray, IntArray, page_descs
+from kvlink.plan.plan_types import AttentionSegment, PreparedPlan, SourcePlan, SsmSegment
 from kvlink.plan.request import ReadSpec, request_ids
 from kvlink.plan.tp_mapping import TPMapping, UnitRun, compute_tp_mapping
 
 
-@dataclass(frozen=True, eq=False)
-class AttentionSegment:
-    """The regions of one attention or MLA group that one source rank supplies."""
-
-    group: int
-    local_region_starts: IntArray
-    remote_region_starts: IntArray
-    pieces: int
-    local_block_span: int
-    remote_block_span: int
-    chunk_bytes: int
-
-
-@dataclass(frozen=True, eq=False)
-class SsmSegment:
-    """The SSM sub-part pieces of one SSM group that one source rank supplies."""
-
-    group: int
-    local_starts: IntArray
-    remote_starts: IntArray
-    block_bytes: int
-
-
-@dataclass(frozen=True, eq=False)
-class SourcePlan:
-    """Paired descriptor lists for one source rank: `local_descs[i]` ↔ `remote_descs[j]`."""
-
-    src_rank: int
-    local_descs: DescArray
-    remote_descs: DescArray
-    attention: tuple[AttentionSegment, ...]
-    ssm: tuple[SsmSegment, ...]
-
-
-@dataclass(frozen=True, eq=False)
-class TransferPlan:
+class TransferPlan(PreparedPlan):
     """Built once per (reader worker, source engine) by `build_transfer_plan`."""
-
-    local: WorkerGeometry
-    remote_tp: int
-    remote_block_size: int
-    remote_kernel_block_size: int
-    remote_num_blocks: int
-    chunk_tokens: int
-    mapping: TPMapping
-    sources: tuple[SourcePlan, ...]
-
-    def source(self, src_rank: int) -> SourcePlan:
-        for plan in self.sources:
-            if plan.src_rank == src_rank:
-                return plan
-        raise KeyError(f"source rank {src_rank} not in this plan (has {[s.src_rank for s in self.sources]})")
 
     def request_ids(
         self,
