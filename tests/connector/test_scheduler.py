@@ -35,6 +35,12 @@ def p_params(**over: object) -> dict[str, object]:
     return base
 
 
+def test_without_verify_kv_saves_carry_no_tokens() -> None:
+    s = NixlScheduler(unsigned("P", verify_kv="off"), tp_size=1)
+    s.request_finished(RequestView("r1", list(range(40)), {"do_remote_decode": True}), [[1, 2, 3]], aborted=False)
+    assert s.build_step_metadata().saves == [{"request_id": "r1", "block_ids": [[1, 2, 3]]}]
+
+
 def test_prefill_finish_holds_blocks_and_returns_vllm_fields() -> None:
     s = NixlScheduler(unsigned("P", side_channel_port=7000), tp_size=2)
     req = RequestView("r1", list(range(40)), {"do_remote_decode": True})
@@ -44,7 +50,9 @@ def test_prefill_finish_holds_blocks_and_returns_vllm_fields() -> None:
     assert params["remote_port"] == 7000 and params["tp_size"] == 2
     assert params["remote_num_tokens"] == 39 and params["do_remote_prefill"] is True
     step = s.build_step_metadata()
-    assert step.saves == [{"request_id": "r1", "block_ids": [[1, 2, 3]]}]
+    # with verify_kv on (the default) P's workers get the tokens they seal the KV of
+    assert step.saves == [{"request_id": "r1", "block_ids": [[1, 2, 3]], "num_tokens": 39,
+                           "token_ids": list(range(39))}]
     assert s.has_pending_work()
     s.update_connector_output(WorkerOutput(finished_sending={"r1"}))
     assert not s.has_pending_work()

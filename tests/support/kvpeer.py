@@ -144,7 +144,8 @@ class Engine:
             raise
         self.sched = NixlScheduler(ConnectorConfig(
             engine_id, side_channel_port=self.port, lease_s=float(cfg.get("lease_s", 30.0)),
-            transfer_mode=cfg.get("transfer_mode", "pull"), secret=SECRET.encode()), tp,
+            transfer_mode=cfg.get("transfer_mode", "pull"), secret=SECRET.encode(),
+            verify_kv=cfg.get("verify_kv", ConnectorConfig.verify_kv)), tp,
             model=model_from_config(self.cfg))
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
@@ -168,10 +169,11 @@ class Engine:
 
     # ---- P side -------------------------------------------------------------------------
     def prefill(self, rid: str, seed: int, prompt_len: int, block_ids: Ids, hold: bool = True,
-                transfer_mode: str | None = None) -> dict[str, Any]:
-        """Store the request's KV on every rank and finish it (held for D); returns the params for D."""
+                transfer_mode: str | None = None, first_token: int = 0) -> dict[str, Any]:
+        """Store the request's KV on every rank and finish it (held for D); returns the params for D.
+        The prompt is tokens `first_token, first_token + 1, ...`."""
         self.call("store", seed=seed, tokens=prompt_len - 1, block_ids=block_ids)
-        req = RequestView(rid, list(range(prompt_len)), {"do_remote_decode": True})
+        req = RequestView(rid, list(range(first_token, first_token + prompt_len)), {"do_remote_decode": True})
         delay, params = self.sched.request_finished(req, block_ids, aborted=False)
         assert delay and params is not None
         step = self.sched.build_step_metadata()
@@ -186,9 +188,9 @@ class Engine:
 
     # ---- D side -------------------------------------------------------------------------
     def decode(self, rid: str, params: dict[str, Any], prompt_len: int, tables: Ids,
-               computed: int = 0, send: bool = True) -> dict[str, Any]:
+               computed: int = 0, send: bool = True, first_token: int = 0) -> dict[str, Any]:
         """Admit a request with remote KV: scheduler side builds the load; every rank gets it."""
-        req = RequestView(rid, list(range(prompt_len)), params)
+        req = RequestView(rid, list(range(first_token, first_token + prompt_len)), params)
         self.sched.on_new_request(req)
         count, is_async = self.sched.get_num_new_matched_tokens(req, computed)
         if count or is_async:  # a hybrid model's full hit loads the SSM state alone: (0, True)

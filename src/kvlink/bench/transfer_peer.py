@@ -54,6 +54,7 @@ def connector_config(cfg: dict[str, Any]) -> ConnectorConfig:
         handshake_timeout_s=float(cfg.get("handshake_timeout_s", 5.0)),
         transfer_mode=cfg.get("transfer_mode", "pull"),
         separate_notifier=bool(cfg.get("separate_notifier", True)),
+        verify_kv=str(cfg.get("verify_kv", ConnectorConfig.verify_kv)),
     )
 
 

@@ -51,6 +51,12 @@ class ConnectorConfig:
     # D can tell a restarted P (same engine id and port, fresh memory) from the one that
     # prefilled a request. None: no such check.
     incarnation: str | None = None
+    # End-to-end KV integrity (kvlink.connector.integrity): P digests what it ships, D checks
+    # what it received before the request runs. "full" checks every unit D holds whole,
+    # "sample" `verify_sample_units` of them per source rank (every block's seed is checked
+    # either way), "off" neither seals nor checks.
+    verify_kv: str = "sample"
+    verify_sample_units: int = bounded(int_range(1, 1 << 20), 4)
 
     def __post_init__(self) -> None:
         if not isinstance(self.engine_id, str) or not self.engine_id:
@@ -63,6 +69,8 @@ class ConnectorConfig:
             raise ValueError(f"load_failure_policy must be 'recompute' or 'fail', got {self.load_failure_policy!r}")
         if self.transfer_mode not in ("pull", "push"):
             raise ValueError(f"transfer_mode must be 'pull' or 'push', got {self.transfer_mode!r}")
+        if self.verify_kv not in ("off", "sample", "full"):
+            raise ValueError(f"verify_kv must be 'off', 'sample' or 'full', got {self.verify_kv!r}")
 
     @property
     def heartbeat_interval_s(self) -> float:

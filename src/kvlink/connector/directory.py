@@ -14,7 +14,13 @@ from typing import Any
 
 from kvlink.connector.config import ConnectorConfig
 from kvlink.connector.handshakes import HandshakeRunner
-from kvlink.connector.remote import RemoteEngine, StagingFor, connect_reader, release_engine
+from kvlink.connector.remote import (
+    DigestSlotsFor,
+    RemoteEngine,
+    StagingFor,
+    connect_reader,
+    release_engine,
+)
 from kvlink.connector.stats import ConnectorStats
 from kvlink.layout.geometry import WorkerGeometry
 from kvlink.plan.tp_mapping import compute_tp_mapping
@@ -56,7 +62,8 @@ class EngineDirectory:
         return None
 
     def collect(self, agent: NixlAgent, local: WorkerGeometry,
-                on_failure: Callable[[str, str, bool], None], staging_for: StagingFor | None = None) -> None:
+                on_failure: Callable[[str, str, bool], None], staging_for: StagingFor | None = None,
+                digest_slots_for: DigestSlotsFor | None = None) -> None:
         """Apply finished handshakes; `on_failure(engine_id, reason, bad_params)` for each that
         failed. `bad_params`: the params name what is not there (another engine answers at
         that address, or one D cannot read from); otherwise P could not be reached (dead,
@@ -72,18 +79,19 @@ class EngineDirectory:
                 on_failure(engine_id, f"handshake failed: {result}", wrong_engine)
                 continue
             try:
-                engine = connect_reader(agent, local, engine_id, result, staging_for)
+                engine = connect_reader(agent, local, engine_id, result, staging_for, digest_slots_for)
                 self.engines[engine_id] = engine
                 if self.on_connect is not None:
                     self.on_connect(engine)
                 assert engine.plan is not None
                 log.info("connected to engine %s: handshake %.0f ms, plan and prepare %.0f ms (%d local, "
-                         "%d remote descriptors%s)", engine_id,
+                         "%d remote descriptors%s%s)", engine_id,
                          1e3 * (fetched - asked) if asked is not None else -1.0,
                          1e3 * (time.monotonic() - fetched),
                          sum(len(s.local_descs) for s in engine.plan.sources),
                          sum(len(s.remote_descs) for s in engine.plan.sources),
-                         ", staged" if engine.staged is not None else "")
+                         ", staged" if engine.staged is not None else "",
+                         ", KV digests checked" if engine.digest_slots else "")
             except Exception as exc:  # incompatible layout, NIXL refusal: fail its requests, keep serving
                 self.stats.count("refused_peers_total")
                 log.error("refusing engine %s: %s", engine_id, exc)

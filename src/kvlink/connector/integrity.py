@@ -31,9 +31,16 @@ class AddressSpace:
     """Bytes by address inside areas this process owns (cache tensors, staging pages)."""
 
     def __init__(self, areas: Sequence[tuple[int, int]]) -> None:
-        spans = sorted((int(base), int(n)) for base, n in areas if n > 0)
+        # Aliased layers (vLLM's hybrid cache) list one memory several times: merge overlaps.
+        spans: list[list[int]] = []
+        for base, n in sorted((int(b), int(n)) for b, n in areas if n > 0):
+            if spans and base <= spans[-1][1]:
+                spans[-1][1] = max(spans[-1][1], base + n)
+            else:
+                spans.append([base, base + n])
         self._bases = [base for base, _ in spans]
-        self._views = [np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(base)) for base, n in spans]
+        self._views = [np.ctypeslib.as_array((ctypes.c_uint8 * (end - base)).from_address(base))
+                       for base, end in spans]
 
     def add(self, base: int, data: npt.NDArray[np.uint8]) -> None:
         at = bisect.bisect(self._bases, base)

@@ -5,10 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvlink.connector.api import WorkerOutput
 from kvlink.connector.stats import TransferRecord
 from kvlink.transfer.xfer import Transfer
 
 if TYPE_CHECKING:
+    from kvlink.connector.checks import LoadCheck
     from kvlink.connector.staging import StagingPool
     from kvlink.plan.staged import StagedRequest
 
@@ -31,9 +33,32 @@ class Load:
     staging: tuple[StagingPool, StagedRequest] | None = None
     # pull with a notification agent: (READ, P agent, `done` message) still to send when it is done
     dones: list[tuple[Transfer, str, bytes]] = field(default_factory=list)
+    # integrity check (verify_kv): the digests to compare before the request may run
+    check: LoadCheck | None = None
+    # push mode: D's own plan of what the sources write, for the check after `pushed`
+    push_specs: list[Any] = field(default_factory=list)
+
+    # per READ (by id): the digest slices it also carried, (bytes, descriptors), kept out of
+    # the KV figures
+    digest_share: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     def record(self, t: Transfer) -> TransferRecord:
-        return transfer_record(self.request_id, t)
+        rec = transfer_record(self.request_id, t)
+        nbytes, descs = self.digest_share.get(id(t), (0, 0))
+        rec.nbytes -= nbytes
+        rec.descriptors -= descs
+        return rec
+
+
+def complete_push(book: LoadBook, out: WorkerOutput, load: Load, now: float) -> None:
+    """Every source pushed (and the check, if any, passed): the request may run."""
+    book.finish(load.request_id)
+    out.finished_recving.add(load.request_id)
+    out.transfer_figures[load.request_id] = {
+        "kv_bytes": float(load.push_bytes),
+        "kv_transfer_s": now - load.started,
+        "kv_descriptors": float(load.push_descriptors),
+    }
 
 
 def transfer_record(request_id: str, t: Transfer) -> TransferRecord:

@@ -13,13 +13,19 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from kvlink.connector.loads import Load
+import numpy as np
+
+from kvlink.connector.loads import Load, complete_push
 from kvlink.connector.notifs import Done, encode
 from kvlink.connector.remote import RemoteEngine
+from kvlink.connector.sealer import Faults
 from kvlink.connector.staging import LocalPages
+from kvlink.connector.verifier import NoDigestSlots, Verifier
 from kvlink.connector.worker_parts import WorkerParts
 from kvlink.layout.geometry import WorkerGeometry
 from kvlink.layout.spec import ModelSpec, is_ssm
+from kvlink.plan.descriptors import IntArray
+from kvlink.plan.request import ReadSpec
 from kvlink.plan.staged import StagedRequest
 from kvlink.transfer.agent import NixlAgent
 from kvlink.transfer.inflight import InflightTracker
@@ -30,8 +36,11 @@ class PullReader:
     """Built at registration; `engines` is the worker's directory of remote engines by id."""
 
     def __init__(self, worker: WorkerParts, agent: NixlAgent, geometry: WorkerGeometry,
-                 inflight: InflightTracker, engines: Mapping[str, RemoteEngine]) -> None:
+                 inflight: InflightTracker, engines: Mapping[str, RemoteEngine], verifier: Verifier,
+                 faults: Faults) -> None:
         self.worker = worker
+        self.verifier = verifier
+        self.faults = faults
         self.agent = agent
         self.geometry = geometry
         self.inflight = inflight
@@ -58,7 +67,15 @@ class PullReader:
         except (ValueError, KeyError, TypeError, IndexError) as exc:
             w.fail_request(rid, all_blocks(entry), f"cannot plan request: {exc}", bad_params=True)
             return True
+        try:
+            check = self.verifier.prepare(engine, entry, specs)
+        except NoDigestSlots:
+            if staged is not None:
+                assert engine.pool is not None
+                engine.pool.give(staged.slots)
+            return self._wait_for_slots(entry)
         load = w.book.start(rid, entry, all_blocks(entry), w.clock())
+        load.check = check
         if staged is not None:
             assert engine.pool is not None
             load.staging = (engine.pool, staged)
@@ -68,10 +85,11 @@ class PullReader:
             if not len(spec.local_idx):
                 w.send(handles.agent_name, done, engine)
                 continue
-            attached = done if w.notifier is None else b""
+            attached = done if w.notifier is None and check is None else b""
+            local_idx, remote_idx, digest_ids = self._read_ids(engine, load, spec)
             try:
-                t = self.agent.post("READ", handles.local_handle, spec.local_idx,
-                                 handles.remote_handle, spec.remote_idx, attached, tag=rid)
+                t = self.agent.post("READ", handles.local_handle, local_idx,
+                                 handles.remote_handle, remote_idx, attached, tag=rid)
             except TransferFailed as exc:
                 if not load.transfers and w.retry_after_handshake(
                         engine.engine_id, entry, f"READ refused ({exc.reason})"):
@@ -79,6 +97,8 @@ class PullReader:
                 self.failed(load, engine, exc.reason)
                 return True
             load.transfers.append(t)
+            if len(digest_ids):
+                load.digest_share[id(t)] = (self._local_lengths(engine, spec.src_rank, digest_ids), len(digest_ids))
             if not attached:
                 load.dones.append((t, handles.agent_name, done))
             self.inflight.add(t)
@@ -87,11 +107,49 @@ class PullReader:
         self.maybe_complete(load)
         return True
 
+    def _read_ids(self, engine: RemoteEngine, load: Load, spec: ReadSpec) -> tuple[IntArray, IntArray, IntArray]:
+        """A READ's descriptor ids (local, remote): the KV's, then the digest slices', which
+        are also returned apart."""
+        local_idx, remote_idx = spec.local_idx, spec.remote_idx
+        if self.faults.skip_descriptor and len(local_idx) > 1:  # test fault: a truncated transfer
+            keep = np.arange(len(local_idx)) != len(local_idx) // 2
+            local_idx, remote_idx = local_idx[keep], remote_idx[keep]
+        if load.check is None:
+            return local_idx, remote_idx, local_idx[:0]
+        digest_local, digest_remote = self.verifier.indices(engine, load.check, spec.src_rank)
+        return (np.concatenate([local_idx, digest_local]), np.concatenate([remote_idx, digest_remote]),
+                digest_local)
+
+    def _local_lengths(self, engine: RemoteEngine, src_rank: int, ids: IntArray) -> int:
+        """Bytes of the digest slices at these local descriptor ids."""
+        assert engine.plan is not None
+        pool = engine.digest_slots[src_rank]
+        base = engine.handles[src_rank].digest_local_base
+        groups = (ids - base) // pool.slots
+        return sum(pool.layout.slice_bytes(int(g)) for g in groups)
+
+    def _wait_for_slots(self, entry: dict[str, Any]) -> bool:
+        """No digest slots free: the load waits for them, up to the stall deadline."""
+        w = self.worker
+        now = w.clock()
+        since = entry.setdefault("_digest_slots_since", now)
+        if now - since <= w.config.stall_timeout_s:
+            return False
+        w.stats.count("stalled_transfers_total")
+        w.fail_request(entry["request_id"], all_blocks(entry), (
+            f"stalled: no free KV digest slots for {now - since:.1f} s (stall_timeout_s "
+            f"{w.config.stall_timeout_s})"), stalled=True)
+        return True
+
     def send_dones(self, load: Load, engine: RemoteEngine | None) -> None:
-        """Tell each P rank whose READ is done (and only those) that its blocks are free."""
+        """Tell each P rank whose READ is done (and only those) that its blocks are free; a
+        checked load tells them once its check is over (P keeps the blocks while D may read
+        its digests again)."""
+        if load.check is not None and not load.check.done:
+            return
         still = []
         for t, name, msg in load.dones:
-            if t.state == "DONE":
+            if t.state == "DONE" or load.check is not None:
                 self.worker.send(name, msg, engine)
             elif t.state == "PROC":
                 still.append((t, name, msg))
@@ -155,6 +213,11 @@ class PullReader:
         w = self.worker
         if load.failed or any(not t.finished for t in load.transfers):
             return
+        if load.check is not None and not self._checked(load):
+            return
+        if load.pushes_expected:
+            complete_push(w.book, w.out, load, w.clock())
+            return
         w.book.finish(load.request_id)
         relayout_s = self.relayout(load)
         records = [load.record(t) for t in load.transfers]
@@ -168,7 +231,76 @@ class PullReader:
         }
         if relayout_s is not None:
             figures["kv_relayout_s"] = relayout_s
+        if load.check is not None:
+            figures["kv_verified_bytes"] = float(load.check.hashed_bytes)
         w.out.transfer_figures[load.request_id] = figures
+
+    def _checked(self, load: Load) -> bool:
+        """Judge a load whose data and digest slices are in; True once it passed. A failed
+        check fails the load (P is told to free either way)."""
+        check = load.check
+        assert check is not None
+        if check.done:
+            return True
+        if check.reread_at is not None or any(not t.finished for t in check.reads):
+            return False
+        engine = self.engines.get(load.entry["remote_engine_id"])
+        if engine is None:
+            self.failed(load, None, "remote engine dropped while its KV was being checked")
+            return False
+        start = time.perf_counter()
+        verdict = self.verifier.judge(engine, load, check)
+        self.worker.stats.count("kv_verify_us_total", int((time.perf_counter() - start) * 1e6))
+        if verdict == "reread":
+            return False
+        self._end_check(load, engine)
+        if verdict is not None:
+            self.rejected(load, verdict)
+            return False
+        return True
+
+    def _end_check(self, load: Load, engine: RemoteEngine | None) -> None:
+        """The check is over (passed, failed or given up): free its slots, let P free."""
+        check = load.check
+        if check is None or check.done:
+            return
+        check.done = True
+        self.verifier.release(check.sources)
+        self.send_dones(load, engine)
+
+    def rejected(self, load: Load, reason: str) -> None:
+        """The KV arrived but failed its check: the request must not run on it."""
+        self.worker.fail_request(load.request_id, load.blocks, reason)
+
+    def check_pushed(self, load: Load) -> None:
+        """Push mode: every source wrote; read their digest slices, then judge the load."""
+        engine = self.engines.get(load.entry["remote_engine_id"])
+        if engine is None or not self.verifier.applies(engine):
+            complete_push(self.worker.book, self.worker.out, load, self.worker.clock())
+            return
+        try:
+            load.check = self.verifier.prepare(engine, load.entry, load.push_specs)
+        except NoDigestSlots:
+            load.check = None
+        if load.check is None:
+            complete_push(self.worker.book, self.worker.out, load, self.worker.clock())
+            return
+        load.check.reread_at = self.worker.clock()
+        self.recheck(self.worker.clock())
+
+    def recheck(self, now: float) -> None:
+        """Post the digest re-reads whose time has come."""
+        for load in list(self.worker.book.loads.values()):
+            check = load.check
+            if check is None or check.done or load.failed or check.reread_at is None or check.reread_at > now:
+                continue
+            engine = self.engines.get(load.entry["remote_engine_id"])
+            reason = "remote engine dropped while its KV was being checked" if engine is None else \
+                self.verifier.reread(self.agent, self.inflight, engine, load, check)
+            if reason is not None:
+                self.failed(load, engine, reason)
+            else:
+                self.maybe_complete(load)
 
     def relayout(self, load: Load) -> float | None:
         """Copy a staged load's tokens into our pages and give its slots back; seconds taken."""
@@ -202,9 +334,10 @@ class PullReader:
         # The tracker's reason reaches us wrapped by NixlAgent.abort ("READ with X failed: stalled: ...").
         stalled = reason.startswith("stalled") or " failed: stalled: " in reason
         w.stats.count("stalled_transfers_total" if stalled else "failed_transfers_total")
-        for t in load.transfers:
+        for t in load.transfers + (load.check.reads if load.check is not None else []):
             if not t.finished:
                 self.agent.abort(t, reason)
+        self._end_check(load, engine)
         if engine is not None and not stalled:
             w.drop_engine(engine.engine_id)
         if stalled:
@@ -213,11 +346,12 @@ class PullReader:
         w.fail_request(load.request_id, load.blocks, reason, stalled=stalled)
 
     def on_polled(self, t: Transfer, failed: bool) -> bool:
-        """Handle one finished READ of ours; False if it is not a pull transfer."""
+        """Handle one finished READ of ours (KV or digests); False if it is not one."""
         w = self.worker
-        load = w.book.get(str(t.tag))
-        if load is None or load.pushes_expected:
-            return False
+        digests = isinstance(t.tag, tuple) and t.tag[0] == "verify"
+        load = w.book.get(str(t.tag[1] if digests else t.tag))  # type: ignore[index]
+        if load is None or (load.pushes_expected and not digests):
+            return digests
         engine = self.engines.get(load.entry["remote_engine_id"])
         if failed:
             self.failed(load, engine, t.failure or "transfer failed")

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from kvlink.connector.handshakes import HandshakeRunner
-from kvlink.connector.loads import transfer_record
+from kvlink.connector.loads import Load, complete_push, transfer_record
 from kvlink.connector.notifs import Pushed, PushRequest, encode
 from kvlink.connector.remote import RemoteEngine, connect_writer, release_engine
 from kvlink.connector.worker_parts import WorkerParts
@@ -50,6 +51,8 @@ class PushWriter:
         self.held_blocks: dict[str, list[list[int]]] = {}
         self.jobs: list[_Job] = []
         self.writes: dict[int, tuple[str, int, _Job]] = {}
+        # D side: what runs once every source pushed (the worker's check of the load, if any)
+        self.on_all_pushed: Callable[[Load], None] = self.complete
 
     # ---- D side -------------------------------------------------------------------------
     def request_push(self, engine: RemoteEngine, entry: dict[str, Any]) -> None:
@@ -67,6 +70,7 @@ class PushWriter:
         load.pushes_expected = len(sources)
         load.push_bytes = sum(spec.nbytes for spec in specs)
         load.push_descriptors = sum(len(spec.local_idx) for spec in specs)
+        load.push_specs = list(specs)
         load.deadline = now + w.config.stall_timeout_s + w.config.handshake_timeout_s
         for rank, name in engine.notify_agents(sources):
             info = {
@@ -94,14 +98,11 @@ class PushWriter:
             log.info("late or unknown push completion for %s from %s ignored", d_request_id, sender)
             return
         load.pushes_seen.add(sender)
-        if len(load.pushes_seen) >= load.pushes_expected:
-            w.book.finish(d_request_id)
-            w.out.finished_recving.add(d_request_id)
-            w.out.transfer_figures[d_request_id] = {
-                "kv_bytes": float(load.push_bytes),
-                "kv_transfer_s": w.clock() - load.started,
-                "kv_descriptors": float(load.push_descriptors),
-            }
+        if len(load.pushes_seen) == load.pushes_expected:
+            self.on_all_pushed(load)
+
+    def complete(self, load: Load) -> None:
+        complete_push(self.worker.book, self.worker.out, load, self.worker.clock())
 
     # ---- P side -------------------------------------------------------------------------
     def remember_blocks(self, request_id: str, block_ids: list[list[int]]) -> None:
@@ -116,7 +117,8 @@ class PushWriter:
     def poll(self, now: float) -> None:
         w = self.worker
         for rid, load in list(w.book.loads.items()):
-            if load.pushes_expected and not load.failed and now > load.deadline:
+            pushed = len(load.pushes_seen) >= load.pushes_expected  # then the check has its own deadline
+            if load.pushes_expected and not pushed and not load.failed and now > load.deadline:
                 w.stats.count("stalled_transfers_total")
                 # A frozen P may still take the push request, or finish its WRITE, later: keep
                 # the blocks out of use as a stalled pull's are.

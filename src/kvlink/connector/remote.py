@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import msgspec
+import numpy as np
 
+from kvlink.connector.digest_table import DigestSlots, table_descs
 from kvlink.layout.geometry import WorkerGeometry
 from kvlink.plan.compat import IncompatibleLayout, check_compatible
 from kvlink.plan.staged import StagedPlan, build_staged_plan, needs_staging
@@ -51,6 +53,10 @@ class SourceHandles:
     agent_name: str
     local_handle: int
     remote_handle: int
+    # Where the digest slice descriptors start in each list (after the KV ones); see
+    # kvlink.connector.digest_table. -1: the source keeps no digests.
+    digest_local_base: int = -1
+    digest_remote_base: int = -1
 
 
 @dataclass
@@ -71,6 +77,8 @@ class RemoteEngine:
     pool: StagingPool | None = None
     # remote agent name -> its NIXL metadata (for the worker's notification agent)
     metadata: dict[str, bytes] = field(default_factory=dict)
+    # source rank -> the slots its digest slices land in (sources that keep a digest table)
+    digest_slots: dict[int, DigestSlots] = field(default_factory=dict)
 
     def notify_agents(self, ranks: Iterable[int]) -> list[tuple[int, str]]:
         return [(r, self.agents[r]) for r in ranks if r in self.agents]
@@ -97,16 +105,19 @@ def check_payload(payload: HandshakePayload, local: WorkerGeometry, engine_id: s
 
 
 StagingFor = Callable[[int], "StagingPool"]
+DigestSlotsFor = Callable[[WorkerGeometry], DigestSlots]
 
 
 def connect_reader(
     agent: NixlAgent, local: WorkerGeometry, engine_id: str, payloads: Mapping[int, HandshakePayload],
-    staging_for: StagingFor | None = None,
+    staging_for: StagingFor | None = None, digest_slots_for: DigestSlotsFor | None = None,
 ) -> RemoteEngine:
     """D side (pull): we read from the remote engine. Plans, adds agents, preps lists.
 
     With `staging_for` (P kernel block size → the worker's staging pool), a P whose pages
-    need a re-layout (`needs_staging`) is read through staging pages."""
+    need a re-layout (`needs_staging`) is read through staging pages. With
+    `digest_slots_for` (a source geometry → the worker's slots for its digest slices), the
+    lists of a source that keeps a digest table end with its slices' descriptors."""
     geometries = {r: check_payload(p, local, engine_id) for r, p in payloads.items()}
     remote_tp = next(iter(payloads.values())).tp_size
     sources = {r: geometries[r] for r in _sources(local, remote_tp, geometries)}
@@ -121,18 +132,27 @@ def connect_reader(
     agents = {r: agent.add_remote(p.agent_metadata) for r, p in payloads.items()}
     metadata = {agents[r]: p.agent_metadata for r, p in payloads.items()}
     handles: dict[int, SourceHandles] = {}
+    slots: dict[int, DigestSlots] = {}
     try:
         for source in plan.sources:
-            name = agents[source.src_rank]
-            handles[source.src_rank] = SourceHandles(
-                name, agent.prep_local(source.local_descs), agent.prep_remote(name, source.remote_descs)
-            )
+            rank, name = source.src_rank, agents[source.src_rank]
+            local_descs, remote_descs = source.local_descs, source.remote_descs
+            table = payloads[rank].digest_table
+            if digest_slots_for is not None and table:
+                slots[rank] = digest_slots_for(geometries[rank])
+                local_descs = np.concatenate([local_descs, slots[rank].descs()])
+                remote_descs = np.concatenate([remote_descs, table_descs(geometries[rank], table)])
+            handles[rank] = SourceHandles(name, agent.prep_local(local_descs),
+                                          agent.prep_remote(name, remote_descs))
+            if rank in slots:
+                handles[rank].digest_local_base = len(source.local_descs)
+                handles[rank].digest_remote_base = len(source.remote_descs)
     except Exception:
         release_engine(agent, RemoteEngine(engine_id, remote_tp, agents, geometries, plan, handles, ()))
         raise
     expected = consumers_per_producer(local.model, remote_tp, local.tp_size)
     return RemoteEngine(engine_id, remote_tp, agents, geometries, plan, handles, expected,
-                        staged=staged, pool=pool, metadata=metadata)
+                        staged=staged, pool=pool, metadata=metadata, digest_slots=slots)
 
 
 def _sources(local: WorkerGeometry, remote_tp: int, geometries: Mapping[int, WorkerGeometry]) -> list[int]:

@@ -125,6 +125,8 @@ class NixlScheduler(ConnectorScheduler):
             local_computed_tokens=num_computed_tokens,
             num_tokens=len(request.prompt_token_ids) - 1,
         )
+        if self.config.verify_kv != "off":  # the tokens seed the digests D checks
+            entry["token_ids"] = list(request.prompt_token_ids[:-1])
         self._step.loads.append(entry)
 
     def _entry(self, request_id: str, p: RemotePrefillParams) -> dict[str, Any]:
@@ -182,9 +184,11 @@ class NixlScheduler(ConnectorScheduler):
         if aborted or not any(block_ids):
             return False, None
         self._held.add(request.request_id)
-        self._step.saves.append(
-            {"request_id": request.request_id, "block_ids": [list(ids) for ids in block_ids]}
-        )
+        save: dict[str, Any] = {"request_id": request.request_id, "block_ids": [list(ids) for ids in block_ids]}
+        if self.config.verify_kv != "off":  # P seals the tokens it ships
+            save["num_tokens"] = max(0, len(request.prompt_token_ids) - 1)
+            save["token_ids"] = list(request.prompt_token_ids[:-1])
+        self._step.saves.append(save)
         params: dict[str, Any] = {
             "do_remote_prefill": True,
             "do_remote_decode": False,

@@ -96,14 +96,14 @@ class StagingPool:
         layers = len(local.attention_regions)
         layer_bytes = self.slots * (slot_bytes // layers)
         total = layer_bytes * layers
-        self._map, self._data = populated_bytes(total)
-        start = int(self._data.ctypes.data)
+        self._map, self.data = populated_bytes(total)
+        start = self.base = int(self.data.ctypes.data)
         self.geometry = staging_geometry(local, remote_kernel_block_size, self.slots,
                                          [start + i * layer_bytes for i in range(layers)])
         agent.register_regions([(start, total)])
         e = local.model.dtype_bytes
         region = self.geometry.attention_regions[0]
-        self.pages = self._data.view(_UINT[e]).reshape(layers, self.slots, region.units, -1)
+        self.pages = self.data.view(_UINT[e]).reshape(layers, self.slots, region.units, -1)
         self._free: deque[int] = deque(range(self.slots))
         self._held: list[tuple[float, tuple[int, ...]]] = []
 

@@ -17,8 +17,10 @@ from typing import Any
 
 from kvlink.connector.api import ConnectorWorker, LoadFailure, StepMetadata, WorkerOutput
 from kvlink.connector.config import ConnectorConfig
+from kvlink.connector.digest_table import DigestSlotPools, DigestTable
 from kvlink.connector.directory import EngineDirectory
 from kvlink.connector.inbox import drain_notifications
+from kvlink.connector.integrity import AddressSpace
 from kvlink.connector.lease import LeaseTable
 from kvlink.connector.loads import Load, LoadBook
 from kvlink.connector.notifier import Notifier
@@ -30,8 +32,10 @@ from kvlink.connector.notifs import (
 from kvlink.connector.pull import PullReader, all_blocks, local_tail
 from kvlink.connector.push import PushWriter
 from kvlink.connector.remote import RemoteEngine, encode_geometry
+from kvlink.connector.sealer import Faults, Sealer
 from kvlink.connector.staging import StagingPool
 from kvlink.connector.stats import ConnectorStats
+from kvlink.connector.verifier import Verifier
 from kvlink.layout.geometry import WorkerGeometry, build_worker_geometry, check_worker_sizes
 from kvlink.layout.limits import MAX_PORT
 from kvlink.layout.spec import ModelSpec
@@ -44,6 +48,7 @@ from kvlink.transfer.wire import PROTOCOL_VERSION, HandshakePayload
 from kvlink.transfer.xfer import TransferFailed
 
 log = logging.getLogger("kvlink.connector")
+DIGEST_SLOTS = 8192  # rows of digest slices per source layout: a load takes one per block
 
 
 class NixlWorker(ConnectorWorker):
@@ -82,6 +87,10 @@ class NixlWorker(ConnectorWorker):
         self.push: PushWriter | None = None
         self._staging: dict[int, StagingPool] = {}
         self.notifier: Notifier | None = None
+        self.faults = Faults.from_env()
+        self.sealer: Sealer | None = None
+        self.digest_slots: DigestSlotPools | None = None
+        self.memory = AddressSpace([])
 
     # ---- registration -------------------------------------------------------------------
     def register_kv_caches(self, base_addrs: Sequence[int], nbytes: Sequence[int]) -> None:
@@ -95,22 +104,32 @@ class NixlWorker(ConnectorWorker):
                                  f"{region.page_stride * region.num_pages}; allocate with kv_tensor_specs")
         name = f"{self.config.engine_id}-r{self.tp_rank}-{self.config.incarnation or uuid.uuid4().hex[:8]}"
         agent = NixlAgent(name, self._agent_config)
-        agent.register_regions([(r.base, r.page_stride * r.num_pages) for r in geometry.regions])
+        areas = [(r.base, r.page_stride * r.num_pages) for r in geometry.regions]
+        agent.register_regions(areas)
+        self.memory = AddressSpace(areas)
+        table = DigestTable(geometry, agent) if self.config.verify_kv != "off" else None
+        if table is not None:
+            self.sealer = Sealer(table, self.memory, self.stats, self.faults)
+            self.digest_slots = DigestSlotPools(agent, geometry.device_id, DIGEST_SLOTS)
         port = self.config.side_channel_port + self.tp_rank if self.config.side_channel_port else 0
         server = HandshakeServer(self.config.engine_id, host=self.config.side_channel_host,
                                  port=port, secret=self.config.secret)
         server.set_payload(self.tp_rank, HandshakePayload(
             version=PROTOCOL_VERSION, engine_id=self.config.engine_id, tp_rank=self.tp_rank,
             tp_size=self.tp_size, compat_hash=self.model.compat_hash(), agent_name=name,
-            agent_metadata=agent.metadata(), geometry=encode_geometry(geometry), sent_time=time.time()))
+            agent_metadata=agent.metadata(), geometry=encode_geometry(geometry), sent_time=time.time(),
+            digest_table=table.base if table is not None else 0))
         self.geometry, self.agent, self.server = geometry, agent, server
         if self.config.separate_notifier:
             self.notifier = Notifier(f"{name}-n", self._agent_config)
             self.directory.on_release = self._forget_notified
             self.directory.on_connect = self._prepare_notifier
         self.inflight = InflightTracker(agent, self.config.stall_timeout_s)
-        self.pull = PullReader(self, agent, geometry, self.inflight, self.engines)
+        verifier = Verifier(self.config.verify_kv, self.config.verify_sample_units, self.stats, self.memory,
+                            self.clock, self.config.stall_timeout_s, seed=self.tp_rank)
+        self.pull = PullReader(self, agent, geometry, self.inflight, self.engines, verifier, self.faults)
         self.push = PushWriter(self, agent, geometry, self.inflight, int(server.port) - self.tp_rank)
+        self.push.on_all_pushed = self.pull.check_pushed
         log.info("kvlink worker %s rank %d/%d: %d regions, %.1f MiB, side channel %s:%d",
                  self.config.engine_id, self.tp_rank, self.tp_size, len(geometry.regions),
                  sum(nbytes) / 2**20, server.host, server.port)
@@ -127,6 +146,9 @@ class NixlWorker(ConnectorWorker):
             self.leases.hold(save["request_id"], now)
             assert self.push is not None
             self.push.remember_blocks(save["request_id"], save["block_ids"])
+            if self.sealer is not None and self.sealer.seal(save):  # test fault: free at once
+                self.leases.release(save["request_id"])
+                self.out.finished_sending.add(save["request_id"])
         for rid in metadata.frees:
             self.leases.release(rid)
         self._waiting += [("load", local_tail(e, self.model, self.block_size)) for e in metadata.loads]
@@ -137,7 +159,8 @@ class NixlWorker(ConnectorWorker):
     def _advance(self) -> None:
         """Finish handshakes, then run every waiting entry whose engine is ready."""
         assert self.agent is not None and self.geometry is not None and self.pull is not None
-        self.directory.collect(self.agent, self.geometry, self._fail_waiting, self.staging_for)
+        self.directory.collect(self.agent, self.geometry, self._fail_waiting, self.staging_for,
+                               self.digest_slots)
         still: list[tuple[str, dict[str, Any]]] = []
         for kind, entry in self._waiting:
             engine = self.directory.lookup(entry, self.geometry)
@@ -183,6 +206,8 @@ class NixlWorker(ConnectorWorker):
         if load is not None:
             load.failed = True
             self.book.finish(rid)
+            if load.check is not None and self.pull is not None:
+                self.pull.verifier.release(load.check.sources)
             self.drop_staging(load, quarantine=stalled or any(not t.finished for t in load.transfers))
         log.warning("request %s failed to load (%d blocks invalid): %s", rid, len(blocks), reason)
         self.out.failed_recving.add(rid)
@@ -216,6 +241,7 @@ class NixlWorker(ConnectorWorker):
             pool = StagingPool(self.geometry, remote_kernel_block_size, self.config.staging_mib << 20,
                                self.agent)
             self._staging[remote_kernel_block_size] = pool
+            self.memory.add(pool.base, pool.data)
             log.info("kvlink worker %s rank %d: %d staging pages of %d tokens (%.1f MiB) for P pages "
                      "of another kernel block size", self.config.engine_id, self.tp_rank, pool.slots,
                      remote_kernel_block_size, pool.capacity_bytes / 2**20)
@@ -298,6 +324,7 @@ class NixlWorker(ConnectorWorker):
         if self.notifier is not None:
             self.notifier.progress()
         self._advance()
+        self.pull.recheck(now)
         result = self.inflight.poll_all(now)
         for t in result.failed:
             if not self.pull.on_polled(t, failed=True):

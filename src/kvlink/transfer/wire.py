@@ -36,6 +36,9 @@ class HandshakePayload(msgspec.Struct, frozen=True, tag="payload", forbid_unknow
     agent_metadata: bytes
     geometry: bytes
     sent_time: float
+    # Address of the rank's KV digest table (kvlink.connector.digest_table), laid out from its
+    # geometry; 0: it keeps none (verify_kv off).
+    digest_table: int = 0
 
 
 class HandshakeError(msgspec.Struct, frozen=True, tag="error", forbid_unknown_fields=True):

@@ -1,0 +1,178 @@
+"""D side of KV integrity: which digests a load reads, and the verdict before it may run.
+
+A pulled load reads P's digest slices of its blocks in the same READ as the KV; a pushed
+one reads them once P says `pushed`. Then the reader hashes its own copies
+(`kvlink.connector.integrity.check`): a slice whose seed is not this request's tokens was
+not sealed yet (P seals at its next step) or was sealed for other tokens (P reused the
+block): it is read again, a few milliseconds apart, until the stall deadline; a unit whose
+digest differs fails the load at once, naming the request, the pages and both digests.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kvlink.connector.checks import LoadCheck, SourceCheck
+from kvlink.connector.integrity import AddressSpace, CheckResult, check
+from kvlink.connector.loads import Load
+from kvlink.connector.remote import RemoteEngine
+from kvlink.connector.stats import ConnectorStats
+from kvlink.layout.digests import block_seeds
+from kvlink.plan.descriptors import IntArray
+from kvlink.plan.request import ReadSpec
+from kvlink.plan.verify import VerifySpec, verify_spec
+from kvlink.transfer.agent import NixlAgent
+from kvlink.transfer.inflight import InflightTracker
+from kvlink.transfer.xfer import TransferFailed
+
+log = logging.getLogger("kvlink.connector.verify")
+REREAD_S = 0.002
+
+
+class NoDigestSlots(Exception):
+    """Every digest slot of the engine is held by other loads; the load waits."""
+
+
+def _slot_rows(spec: VerifySpec) -> int:
+    """Rows a spec's slices need: one per slice of its most listed group."""
+    if not spec.slice_group.size:
+        return 0
+    return int(np.bincount(spec.slice_group).max())
+
+
+def _slot_of(spec: VerifySpec, rows: list[int]) -> list[int]:
+    """The row of each slice: the k-th slice of a group takes the k-th row."""
+    seen: dict[int, int] = {}
+    out = []
+    for group in spec.slice_group.tolist():
+        out.append(rows[seen.get(group, 0)])
+        seen[group] = seen.get(group, 0) + 1
+    return out
+
+
+class Verifier:
+    """Builds, posts and judges the checks of one reader worker's loads."""
+
+    def __init__(self, mode: str, sample_units: int, stats: ConnectorStats, memory: AddressSpace,
+                 clock: Callable[[], float], deadline_s: float, seed: int = 0) -> None:
+        self.mode = mode
+        self.sample_units = sample_units
+        self.stats = stats
+        self.memory = memory
+        self.clock = clock
+        self.deadline_s = deadline_s
+        self.rng = np.random.default_rng(seed)
+
+    def applies(self, engine: RemoteEngine) -> bool:
+        return self.mode != "off" and bool(engine.digest_slots)
+
+    def prepare(self, engine: RemoteEngine, entry: dict[str, Any], specs: list[ReadSpec]) -> LoadCheck | None:
+        """The check of a load about to be posted, its slots taken; None when nothing applies.
+        Raises NoDigestSlots (nothing taken) when the slots are all in use."""
+        if not self.applies(engine) or not entry.get("token_ids") or engine.plan is None:
+            return None
+        num_tokens = int(entry["num_tokens"])
+        sources: list[SourceCheck] = []
+        for spec in specs:
+            if not len(spec.local_idx):
+                continue
+            source = engine.plan.source(spec.src_rank)
+            vspec = verify_spec(spec.src_rank, engine.geometries[spec.src_rank], source.local_descs,
+                                source.remote_descs, spec.local_idx, spec.remote_idx,
+                                entry["remote_block_ids"], num_tokens)
+            if self.mode == "sample":
+                vspec = vspec.sample(self.rng, self.sample_units)
+            sources.append(SourceCheck(spec.src_rank, vspec, engine.digest_slots[spec.src_rank], []))
+        for src in sources:
+            rows = src.pool.take(_slot_rows(src.spec))
+            if rows is None:
+                self.release(sources)
+                raise NoDigestSlots(f"no free digest slots for {entry['request_id']}")
+            src.slots = _slot_of(src.spec, rows)
+        geometry = next(iter(engine.geometries.values()))
+        seeds = block_seeds(entry["token_ids"], geometry.block_size, num_tokens)
+        unverifiable = sum(s.spec.unverifiable for s in sources)
+        if unverifiable:
+            self.stats.count("kv_unverifiable_units_total", unverifiable)
+        return LoadCheck(sources, seeds, self.clock() + self.deadline_s)
+
+    def indices(self, engine: RemoteEngine, check_: LoadCheck, src_rank: int) -> tuple[IntArray, IntArray]:
+        """Descriptor ids (local, remote) of the source's digest slices, for its READ."""
+        for src in check_.sources:
+            if src.src_rank == src_rank:
+                handles = engine.handles[src_rank]
+                slots = engine.digest_slots[src_rank]
+                groups = src.spec.slice_group
+                local = handles.digest_local_base + groups * slots.slots + np.asarray(src.slots, dtype=np.int64)
+                remote = handles.digest_remote_base + groups * slots.layout.num_blocks + src.spec.slice_block
+                return local.astype(np.int64), remote.astype(np.int64)
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty
+
+    def judge(self, engine: RemoteEngine, load: Load, check_: LoadCheck) -> str | None:
+        """After the slices landed: None when every unit checked out; "reread" when a seed was
+        not this request's yet; otherwise the reason the load fails."""
+        unsealed: list[tuple[int, tuple[int, int]]] = []
+        for src in check_.sources:
+            result: CheckResult = check(src.spec, src.pool.slices(src.spec.slice_group, src.slots),
+                                        check_.seeds, self.memory)
+            check_.hashed_bytes += result.hashed_bytes
+            check_.units += result.units
+            if result.mismatches:
+                return self._mismatch(load, engine, src, result)
+            unsealed += [(src.src_rank, s) for s in result.unsealed]
+        if not unsealed:
+            self.stats.count("kv_verified_units_total", check_.units)
+            self.stats.count("kv_verified_bytes_total", check_.hashed_bytes)
+            return None
+        if self.clock() > check_.deadline:
+            self.stats.count("kv_unsealed_loads_total")
+            rank, (group, index) = unsealed[0]
+            return (f"P's digests of {len(unsealed)} block(s) never matched this request's tokens "
+                    f"within {self.deadline_s:g} s (first: P rank {rank}, group {group}, block {index} "
+                    f"of the request): the blocks were reused for other tokens or never sealed")
+        check_.reread_at = self.clock() + REREAD_S
+        return "reread"
+
+    def _mismatch(self, load: Load, engine: RemoteEngine, src: SourceCheck, result: CheckResult) -> str:
+        self.stats.count("kv_checksum_mismatch_total")
+        group, index, unit, want, got = result.mismatches[0]
+        pages = sorted({(g, i) for g, i, _, _, _ in result.mismatches})
+        block_ids = load.entry["remote_block_ids"]
+        named = ", ".join(f"group {g} block {block_ids[g][i]}" for g, i in pages[:8])
+        reason = (f"KV checksum mismatch in {len(result.mismatches)} unit(s) from {engine.engine_id} "
+                  f"rank {src.src_rank} ({named}{' ...' if len(pages) > 8 else ''}): unit {unit} of "
+                  f"group {group} block {block_ids[group][index]} has digest {got:016x}, P sealed "
+                  f"{want:016x}")
+        log.error("request %s: %s", load.request_id, reason)
+        return reason
+
+    def reread(self, agent: NixlAgent, inflight: InflightTracker, engine: RemoteEngine, load: Load,
+               check_: LoadCheck) -> str | None:
+        """Read the slices again (digests only); the failure reason if a READ cannot be posted."""
+        check_.reread_at = None
+        check_.rereads += 1
+        self.stats.count("kv_digest_rereads_total")
+        for src in check_.sources:
+            local, remote = self.indices(engine, check_, src.src_rank)
+            if not local.size:
+                continue
+            handles = engine.handles[src.src_rank]
+            try:
+                t = agent.post("READ", handles.local_handle, local, handles.remote_handle, remote, b"",
+                               tag=("verify", load.request_id))
+            except TransferFailed as exc:
+                return f"digest READ refused: {exc.reason}"
+            check_.reads.append(t)
+            inflight.add(t)
+        return None
+
+    def release(self, sources: list[SourceCheck]) -> None:
+        for src in sources:
+            if src.slots:
+                src.pool.give(sorted(set(src.slots)))
+            src.slots = []
