@@ -29,3 +29,22 @@ def test_prometheus_text_has_counters_and_cumulative_histograms() -> None:
     assert "kvlink_num_descriptors_count 2" in text
     for line in text.splitlines():
         assert line.startswith("#") or len(line.split(" ")) == 2
+
+
+def test_exporter_renders_per_engine_counters_and_gauges() -> None:
+    from kvlink.connector.stats import ConnectorStats, PrometheusExporter
+
+    stats = ConnectorStats()
+    stats.count_engine("handshakes_total", "P1")
+    stats.count_engine("handshakes_total", "P1")
+    stats.count_engine("failed_handshakes_by_engine_total", 'odd"id')
+    stats.gauges["pending_sends"] = 3
+    exporter = PrometheusExporter()
+    exporter.update(stats.take())
+    text = exporter.render()
+    assert 'kvlink_handshakes_total{remote_engine="P1"} 2' in text
+    assert 'kvlink_failed_handshakes_by_engine_total{remote_engine="odd\\"id"} 1' in text
+    assert "# TYPE kvlink_pending_sends gauge\nkvlink_pending_sends 3" in text
+    stats.gauges["pending_sends"] = 0
+    exporter.update(stats.take())
+    assert "kvlink_pending_sends 0" in exporter.render()  # a gauge follows the level, down too

@@ -72,8 +72,10 @@ class EngineDirectory:
             engine_id = str(key[0]) if isinstance(key, tuple) else str(key)
             asked = self._asked.pop(key, None)  # type: ignore[call-overload]
             fetched = time.monotonic()
+            self.stats.count_engine("handshakes_total", engine_id)
             if isinstance(result, BaseException):
                 self.stats.count("failed_handshakes_total")
+                self.stats.count_engine("failed_handshakes_by_engine_total", engine_id)
                 log.warning("handshake with engine %s failed: %s", engine_id, result)
                 wrong_engine = isinstance(result, (HandshakeRefused, EngineMismatch))
                 on_failure(engine_id, f"handshake failed: {result}", wrong_engine)
@@ -94,6 +96,7 @@ class EngineDirectory:
                          ", KV digests checked" if engine.digest_slots else "")
             except Exception as exc:  # incompatible layout, NIXL refusal: fail its requests, keep serving
                 self.stats.count("refused_peers_total")
+                self.stats.count_engine("failed_handshakes_by_engine_total", engine_id)
                 log.error("refusing engine %s: %s", engine_id, exc)
                 on_failure(engine_id, f"remote engine refused: {exc}", True)
 

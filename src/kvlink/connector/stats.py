@@ -40,6 +40,14 @@ class ConnectorStats:
         }
     )
 
+    # (counter, remote engine id) -> count: handshakes and their failures per peer engine
+    engine_counters: dict[tuple[str, str], int] = field(default_factory=dict)
+    # Levels right now, set by the worker at each `get_stats` (e.g. requests P holds for D).
+    gauges: dict[str, float] = field(default_factory=dict)
+
+    def count_engine(self, name: str, engine_id: str, n: int = 1) -> None:
+        self.engine_counters[(name, engine_id)] = self.engine_counters.get((name, engine_id), 0) + n
+
     def record(self, rec: TransferRecord) -> None:
         self.transfers.append(rec)
         self.counters["transfers_total"] += 1
@@ -52,6 +60,8 @@ class ConnectorStats:
         out = {
             "counters": dict(self.counters),
             "transfers": [vars(t).copy() for t in self.transfers],
+            "engine_counters": [[name, engine, n] for (name, engine), n in sorted(self.engine_counters.items())],
+            "gauges": dict(self.gauges),
         }
         self.transfers = []
         return out
@@ -78,6 +88,8 @@ class PrometheusExporter:
     def __init__(self, prefix: str = "kvlink") -> None:
         self.prefix = prefix
         self.counters: dict[str, int] = {}
+        self.engine_counters: dict[tuple[str, str], int] = {}
+        self.gauges: dict[str, float] = {}
         byte_buckets = tuple(float(1 << k) for k in range(12, 34, 2))
         self.hist = {
             "xfer_time_seconds": _Histogram(_BUCKETS_S, [0] * len(_BUCKETS_S)),
@@ -90,6 +102,9 @@ class PrometheusExporter:
 
     def update(self, snapshot: dict[str, Any]) -> None:
         self.counters.update(snapshot.get("counters", {}))
+        for name, engine, n in snapshot.get("engine_counters", []):
+            self.engine_counters[(str(name), str(engine))] = int(n)
+        self.gauges.update(snapshot.get("gauges", {}))
         for t in snapshot.get("transfers", []):
             self.hist["xfer_time_seconds"].observe(float(t["duration_s"]))
             self.hist["post_time_seconds"].observe(float(t["post_s"]))
@@ -101,6 +116,16 @@ class PrometheusExporter:
         for name, value in sorted(self.counters.items()):
             full = f"{self.prefix}_{name}"
             lines += [f"# TYPE {full} counter", f"{full} {value}"]
+        by_name: dict[str, list[tuple[str, int]]] = {}
+        for (name, engine), value in sorted(self.engine_counters.items()):
+            by_name.setdefault(name, []).append((engine, value))
+        for name, rows in by_name.items():
+            full = f"{self.prefix}_{name}"
+            lines.append(f"# TYPE {full} counter")
+            lines += [f'{full}{{remote_engine="{_label(engine)}"}} {value}' for engine, value in rows]
+        for name, gauge in sorted(self.gauges.items()):
+            full = f"{self.prefix}_{name}"
+            lines += [f"# TYPE {full} gauge", f"{full} {gauge:g}"]
         for name, h in self.hist.items():
             full = f"{self.prefix}_{name}"
             lines.append(f"# TYPE {full} histogram")
@@ -108,3 +133,8 @@ class PrometheusExporter:
                 lines.append(f'{full}_bucket{{le="{edge:g}"}} {c}')
             lines += [f'{full}_bucket{{le="+Inf"}} {h.n}', f"{full}_sum {h.total:g}", f"{full}_count {h.n}"]
         return "\n".join(lines) + "\n"
+
+
+def _label(value: str) -> str:
+    """A Prometheus label value: backslashes, quotes and newlines escaped."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

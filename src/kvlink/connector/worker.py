@@ -360,6 +360,12 @@ class NixlWorker(ConnectorWorker):
         return bool(self.book.loads or self._waiting or self.leases.leases)
 
     def get_stats(self) -> dict[str, Any]:
+        # What P holds for decoders right now (vLLM's own scheduler metrics do not show it).
+        held = self.push.held_blocks if self.push is not None else {}
+        self.stats.gauges["pending_sends"] = float(len(self.leases.leases))
+        self.stats.gauges["pending_send_blocks"] = float(sum(
+            len(ids) for rid, groups in held.items() if rid in self.leases.leases for ids in groups))
+        self.stats.gauges["loads_in_flight"] = float(len(self.book.loads))
         if self.server is not None:  # what our side channel refused (bad frames, wrong secret, ...)
             listener = self.server.stats
             self.stats.counters["rejected_handshakes_total"] = listener.rejected
