@@ -21,8 +21,9 @@ from test_sim import (
 )
 
 from kvlink.connector.integrity import check, seal
-from kvlink.layout.digests import block_seeds, digest_layout
+from kvlink.layout.digests import block_seeds, digest_geometry
 from kvlink.layout.spec import ModelSpec, SlidingWindow
+from kvlink.plan.request import first_token_to_ship
 from kvlink.plan.transfer_plan import build_transfer_plan
 from kvlink.plan.verify import VerifySpec, verify_spec
 
@@ -60,11 +61,12 @@ def run_checked(model: ModelSpec, p, d, shipped: int, prefix_blocks: int, seed: 
         mem = sim.make_worker(model, p.tp, rank, p.block_size, p.kernel_block_size, p_num_blocks, 0, rng,
                               page_order)
         sim.store(mem, logical, p_ids, p_tokens)
-        layout = digest_layout(mem.geometry)
-        tables[rank] = np.zeros((layout.num_blocks, layout.row_entries), dtype=np.uint64)
-        seal(tables[rank], layout, mem.geometry, _memory(mem), [ids.tolist() for ids in p_ids], shipped, seeds)
+        dg = digest_geometry(mem.geometry)
+        tables[rank] = np.zeros((dg.layout.num_blocks, dg.layout.row_entries), dtype=np.uint64)
+        seal(tables[rank], dg, _memory(mem), [ids.tolist() for ids in p_ids], shipped, seeds)
         sources[rank] = mem
     geometries = {rank: mem.geometry for rank, mem in sources.items()}
+    digests = {rank: digest_geometry(g) for rank, g in geometries.items()}
     d_ids = _block_lists(model, d, d_num_blocks, d_count, prefix_blocks, rng)
     sliding = any(isinstance(g, SlidingWindow) for g in model.groups)
     for rank in range(d.tp):
@@ -74,10 +76,17 @@ def run_checked(model: ModelSpec, p, d, shipped: int, prefix_blocks: int, seed: 
         specs = plan.request_ids(d_ids, p_ids, shipped, computed)
         sim.execute(plan, specs, reader, sources)
         memory = _memory(reader)
+        firsts = [first_token_to_ship(plan, g, shipped, computed) for g in range(len(model.groups))]
         for spec in specs:
             source = plan.source(spec.src_rank)
-            vspec = verify_spec(spec.src_rank, geometries[spec.src_rank], source.local_descs, source.remote_descs,
-                                spec.local_idx, spec.remote_idx, p_ids, shipped)
+            vspec = verify_spec(spec.src_rank, digests[spec.src_rank], source.local_descs, source.remote_descs,
+                                spec.local_idx, spec.remote_idx, p_ids, shipped, firsts)
+            few = verify_spec(spec.src_rank, digests[spec.src_rank], source.local_descs, source.remote_descs,
+                              spec.local_idx, spec.remote_idx, p_ids, shipped, firsts, (rng, 2))
+            assert few.units == min(2, vspec.units) and np.array_equal(few.slice_block, vspec.slice_block)
+            assert set(zip(few.unit_slice.tolist(), few.unit_slot.tolist(), strict=True)) <= set(
+                zip(vspec.unit_slice.tolist(), vspec.unit_slot.tolist(), strict=True))
+            assert check(few, _slices(tables[spec.src_rank], few), seeds, memory).ok
             slices = _slices(tables[spec.src_rank], vspec)
             result = check(vspec, slices, seeds, memory)
             assert result.ok, (result.unsealed[:3], result.mismatches[:3])
@@ -134,21 +143,3 @@ def test_vllm_page_orders_digest_whole_units(order: str) -> None:
     for p_tp, d_tp in ((1, 1), (2, 1), (1, 2)):
         for shipped in (1, 31, 32, 33, 100):
             run_checked(model, Side(p_tp, 32, 32), Side(d_tp, 32, 32), shipped, 0, shipped, order)
-
-
-def test_sample_keeps_every_seed() -> None:
-    from kvlink.layout.spec import FullAttention
-    model = ModelSpec("s", 2, 4, "float32", (FullAttention(),), (0, 0))
-    rng = np.random.default_rng(1)
-    p = sim.make_worker(model, 1, 0, 16, 16, 8, 0, rng)
-    d = sim.make_worker(model, 1, 0, 16, 16, 8, 1, rng)
-    plan = build_transfer_plan(d.geometry, {0: p.geometry})
-    (spec,) = plan.request_ids([[0, 1, 2]], [[3, 4, 5]], 40, 0)
-    source = plan.source(0)
-    full = verify_spec(0, p.geometry, source.local_descs, source.remote_descs, spec.local_idx, spec.remote_idx,
-                       [[3, 4, 5]], 40)
-    assert full.units == 3 * 2 and full.slice_block.tolist() == [3, 4, 5]
-    few = full.sample(rng, 2)
-    assert few.units == 2 and few.slice_block.tolist() == [3, 4, 5]
-    assert set(zip(few.unit_slice.tolist(), few.unit_slot.tolist(), strict=True)) <= set(
-        zip(full.unit_slice.tolist(), full.unit_slot.tolist(), strict=True))

@@ -71,6 +71,7 @@ class BenchOptions:
     d_tp: int = 1
     mode: str = "pull"
     block_size: int = 16
+    verify_kv: str = ConnectorConfig.verify_kv
     repeats: int = 9
     min_seconds: float = 1.0
     max_rounds: int = 60
@@ -151,7 +152,7 @@ class _Side:
         cfg = {"engine_id": engine_id, "tp": tp, "port": self.port, "host": host, "model": options.preset,
                "layers": sizes["layers"], "block_size": options.block_size,
                "num_blocks": sizes["pool_blocks"], "fill": fill, "lease_s": 120.0,
-               "stall_timeout_s": 60.0, "transfer_mode": options.mode,
+               "stall_timeout_s": 60.0, "transfer_mode": options.mode, "verify_kv": options.verify_kv,
                "active_poll_s": float(os.environ.get("KVLINK_BENCH_POLL_S", "0.001"))}
         self.peers = [
             PeerProcess([*prefix, *python_argv(NODE, {**cfg, "rank": r})], f"{engine_id}-r{r}",
@@ -162,6 +163,7 @@ class _Side:
         self.sched = NixlScheduler(ConnectorConfig(engine_id, side_channel_port=self.port,
                                                    side_channel_host=host, lease_s=120.0,
                                                    transfer_mode=options.mode,  # type: ignore[arg-type]
+                                                   verify_kv=options.verify_kv,
                                                    secret=secret.encode()), tp)
 
 

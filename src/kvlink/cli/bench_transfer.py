@@ -11,6 +11,7 @@ import sys
 from kvlink.bench.transfer import MAX_GIB, BenchOptions, plan_sizes, run_bench
 from kvlink.bench.transfer_report import plot, table, verdicts
 from kvlink.cli.ranges import ranged, ranged_list
+from kvlink.connector.config import VERIFY_MODES, ConnectorConfig
 from kvlink.layout.limits import (
     BLOCK_SIZE,
     COUNT,
@@ -31,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--d-tp", type=ranged(TP), default=1, help="decode TP size")
     parser.add_argument("--mode", choices=("pull", "push"), default="pull")
     parser.add_argument("--block-size", type=ranged(BLOCK_SIZE), default=16)
+    parser.add_argument("--verify-kv", choices=VERIFY_MODES, default=ConnectorConfig.verify_kv,
+                        help="KV integrity check of every request (off, sample, full; default "
+                             f"{ConnectorConfig.verify_kv}, the connector's)")
     parser.add_argument("--repeats", type=ranged(COUNT), default=9,
                         help="minimum rounds per size and layout; each round times the connector, raw "
                              "NIXL and NIXL over the connector's descriptors (medians of per-round ratios)")
@@ -55,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     try:
         options = BenchOptions(preset=args.preset, tokens=args.tokens, p_tp=args.p_tp, d_tp=args.d_tp,
-                               mode=args.mode, block_size=args.block_size, repeats=args.repeats,
+                               mode=args.mode, block_size=args.block_size, verify_kv=args.verify_kv, repeats=args.repeats,
                                min_seconds=args.min_seconds, max_gib=args.max_gib, layers=args.layers,
                                p_netns=args.p_netns, d_netns=args.d_netns, p_host=args.p_host,
                                d_host=args.d_host)

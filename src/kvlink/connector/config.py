@@ -14,6 +14,8 @@ from kvlink.layout.limits import (
     int_range,
 )
 
+VERIFY_MODES = ("off", "sample", "full")
+
 
 @dataclass(frozen=True)
 class ConnectorConfig:
@@ -69,7 +71,7 @@ class ConnectorConfig:
             raise ValueError(f"load_failure_policy must be 'recompute' or 'fail', got {self.load_failure_policy!r}")
         if self.transfer_mode not in ("pull", "push"):
             raise ValueError(f"transfer_mode must be 'pull' or 'push', got {self.transfer_mode!r}")
-        if self.verify_kv not in ("off", "sample", "full"):
+        if self.verify_kv not in VERIFY_MODES:
             raise ValueError(f"verify_kv must be 'off', 'sample' or 'full', got {self.verify_kv!r}")
 
     @property

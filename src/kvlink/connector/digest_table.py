@@ -16,7 +16,13 @@ import numpy.typing as npt
 
 from kvlink.connector.integrity import Memory, seal
 from kvlink.connector.staging import populated_bytes
-from kvlink.layout.digests import ENTRY_BYTES, DigestLayout, block_seeds, digest_layout
+from kvlink.layout.digests import (
+    ENTRY_BYTES,
+    DigestLayout,
+    block_seeds,
+    digest_geometry,
+    digest_layout,
+)
 from kvlink.layout.geometry import WorkerGeometry
 from kvlink.plan.descriptors import DescArray, IntArray
 from kvlink.transfer.agent import NixlAgent
@@ -27,7 +33,8 @@ class DigestTable:
 
     def __init__(self, geometry: WorkerGeometry, agent: NixlAgent) -> None:
         self.geometry = geometry
-        self.layout = digest_layout(geometry)
+        self.digests = digest_geometry(geometry)
+        self.layout = self.digests.layout
         self._map, data = populated_bytes(max(self.layout.nbytes, ENTRY_BYTES))
         self.base = int(data.ctypes.data)
         self.table = data[:self.layout.nbytes].view(np.uint64).reshape(self.layout.num_blocks,
@@ -40,7 +47,7 @@ class DigestTable:
         if num_tokens <= 0:
             return 0
         seeds = block_seeds(token_ids, self.geometry.block_size, num_tokens)
-        return seal(self.table, self.layout, self.geometry, memory, block_ids, num_tokens, seeds)
+        return seal(self.table, self.digests, memory, block_ids, num_tokens, seeds)
 
 
 def table_descs(remote: WorkerGeometry, base: int) -> DescArray:

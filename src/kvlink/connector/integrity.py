@@ -19,12 +19,10 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from kvlink.layout.digests import DigestLayout, seed_index, shipped_blocks, unit_ranges
-from kvlink.layout.geometry import WorkerGeometry
+from kvlink.layout.digests import DigestGeometry, seed_index, shipped_blocks, unit_ranges
 from kvlink.plan.verify import VerifySpec
 
-Memory = Callable[[int, int], npt.NDArray[np.uint8]]
-VERIFY_MODES = ("off", "sample", "full")
+Memory = Callable[[int, int], memoryview]
 
 
 class AddressSpace:
@@ -39,21 +37,21 @@ class AddressSpace:
             else:
                 spans.append([base, base + n])
         self._bases = [base for base, _ in spans]
-        self._views = [np.ctypeslib.as_array((ctypes.c_uint8 * (end - base)).from_address(base))
+        self._views = [memoryview((ctypes.c_uint8 * (end - base)).from_address(base)).cast("B")
                        for base, end in spans]
 
     def add(self, base: int, data: npt.NDArray[np.uint8]) -> None:
         at = bisect.bisect(self._bases, base)
         self._bases.insert(at, base)
-        self._views.insert(at, data)
+        self._views.insert(at, data.data.cast("B"))
 
-    def __call__(self, addr: int, length: int) -> npt.NDArray[np.uint8]:
+    def __call__(self, addr: int, length: int) -> memoryview:
         at = bisect.bisect_right(self._bases, addr) - 1
         if at < 0:
             raise ValueError(f"address {addr:#x} is below every registered area")
         offset = addr - self._bases[at]
         view = self._views[at]
-        if offset + length > view.size:
+        if offset + length > view.nbytes:
             raise ValueError(f"range {addr:#x}+{length} runs past its area")
         return view[offset:offset + length]
 
@@ -62,29 +60,30 @@ def digest_of(memory: Memory, addrs: npt.NDArray[np.int64], lengths: npt.NDArray
     h = xxhash.xxh3_64(seed=seed)
     for addr, length in zip(addrs.tolist(), lengths.tolist(), strict=True):
         if length:
-            h.update(memory(addr, length).data)
+            h.update(memory(addr, length))
     return int(h.intdigest())
 
 
-def seal(table: npt.NDArray[np.uint64], layout: DigestLayout, geometry: WorkerGeometry, memory: Memory,
-         block_ids: Sequence[Sequence[int]], num_tokens: int, seeds: Sequence[int]) -> int:
+def seal(table: npt.NDArray[np.uint64], dg: DigestGeometry, memory: Memory, block_ids: Sequence[Sequence[int]],
+         num_tokens: int, seeds: Sequence[int]) -> int:
     """Write the digests of every shipped unit of a request into its slices (digests first,
     then the seed, so a reader that sees the seed sees the digests); bytes hashed."""
     hashed = 0
+    geometry, layout = dg.geometry, dg.layout
     for group in range(len(geometry.model.groups)):
         ids = list(block_ids[group]) if group < len(block_ids) else []
         indices = [i for i in shipped_blocks(geometry, group, num_tokens, len(ids)) if ids[i] >= 0]
         if not indices or not layout.group_units[group]:
             continue
         blocks = np.array([ids[i] for i in indices], dtype=np.int64)
-        ranges = unit_ranges(geometry, group, blocks, indices, num_tokens)
-        per_block = ranges.units_per_block
+        ranges = unit_ranges(dg, group, blocks, indices, num_tokens)
+        per_block, per_unit = ranges.units_per_block, ranges.per_unit
         offset = layout.group_offsets[group]
         for b, (block, index) in enumerate(zip(blocks.tolist(), indices, strict=True)):
             seed = seeds[seed_index(geometry, group, index, num_tokens)]
             row = table[block]
             for unit in range(per_block):
-                span = slice((b * per_block + unit) * ranges.per_unit, (b * per_block + unit + 1) * ranges.per_unit)
+                span = slice((b * per_block + unit) * per_unit, (b * per_block + unit + 1) * per_unit)
                 row[offset + 1 + unit] = digest_of(memory, ranges.addrs[span], ranges.lengths[span], seed)
                 hashed += int(ranges.lengths[span].sum())
             row[offset] = seed

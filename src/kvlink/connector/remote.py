@@ -15,6 +15,7 @@ import msgspec
 import numpy as np
 
 from kvlink.connector.digest_table import DigestSlots, table_descs
+from kvlink.layout.digests import DigestGeometry, digest_geometry
 from kvlink.layout.geometry import WorkerGeometry
 from kvlink.plan.compat import IncompatibleLayout, check_compatible
 from kvlink.plan.staged import StagedPlan, build_staged_plan, needs_staging
@@ -79,6 +80,7 @@ class RemoteEngine:
     metadata: dict[str, bytes] = field(default_factory=dict)
     # source rank -> the slots its digest slices land in (sources that keep a digest table)
     digest_slots: dict[int, DigestSlots] = field(default_factory=dict)
+    digest_geometries: dict[int, DigestGeometry] = field(default_factory=dict)
 
     def notify_agents(self, ranks: Iterable[int]) -> list[tuple[int, str]]:
         return [(r, self.agents[r]) for r in ranks if r in self.agents]
@@ -152,7 +154,8 @@ def connect_reader(
         raise
     expected = consumers_per_producer(local.model, remote_tp, local.tp_size)
     return RemoteEngine(engine_id, remote_tp, agents, geometries, plan, handles, expected,
-                        staged=staged, pool=pool, metadata=metadata, digest_slots=slots)
+                        staged=staged, pool=pool, metadata=metadata, digest_slots=slots,
+                        digest_geometries={rank: digest_geometry(geometries[rank]) for rank in slots})
 
 
 def _sources(local: WorkerGeometry, remote_tp: int, geometries: Mapping[int, WorkerGeometry]) -> list[int]:

@@ -17,8 +17,6 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from kvlink.connector.digest_table import DigestTable
 from kvlink.connector.integrity import Memory
 from kvlink.connector.stats import ConnectorStats
@@ -74,12 +72,12 @@ class Sealer:
             indices = list(shipped_blocks(geometry, group, num_tokens, len(ids)))
             if not indices or ids[indices[0]] < 0:
                 continue
-            ranges = unit_ranges(geometry, group, [ids[indices[0]]], [indices[0]], num_tokens)
+            ranges = unit_ranges(self.table.digests, group, [ids[indices[0]]], [indices[0]], num_tokens)
             if not ranges.units or not ranges.lengths[0]:
                 continue
             addr, length = int(ranges.addrs[0]), int(ranges.lengths[0])
             view = self.memory(addr, length)
-            view[length // 2] = np.uint8(view[length // 2] ^ 0x5A)
+            view[length // 2] ^= 0x5A
             log.warning("TEST FAULT flip_after_seal: flipped byte %#x of group %d block %d", addr + length // 2,
                         group, ids[indices[0]])
             return

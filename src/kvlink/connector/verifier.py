@@ -23,7 +23,7 @@ from kvlink.connector.remote import RemoteEngine
 from kvlink.connector.stats import ConnectorStats
 from kvlink.layout.digests import block_seeds
 from kvlink.plan.descriptors import IntArray
-from kvlink.plan.request import ReadSpec
+from kvlink.plan.request import ReadSpec, first_token_to_ship
 from kvlink.plan.verify import VerifySpec, verify_spec
 from kvlink.transfer.agent import NixlAgent
 from kvlink.transfer.inflight import InflightTracker
@@ -75,17 +75,18 @@ class Verifier:
         Raises NoDigestSlots (nothing taken) when the slots are all in use."""
         if not self.applies(engine) or not entry.get("token_ids") or engine.plan is None:
             return None
-        num_tokens = int(entry["num_tokens"])
+        num_tokens, computed = int(entry["num_tokens"]), int(entry.get("local_computed_tokens", 0))
+        plan = engine.plan
+        first_tokens = [first_token_to_ship(plan, g, num_tokens, computed) for g in range(len(plan.local.model.groups))]
+        sample = (self.rng, self.sample_units) if self.mode == "sample" else None
         sources: list[SourceCheck] = []
         for spec in specs:
             if not len(spec.local_idx):
                 continue
-            source = engine.plan.source(spec.src_rank)
-            vspec = verify_spec(spec.src_rank, engine.geometries[spec.src_rank], source.local_descs,
+            source = plan.source(spec.src_rank)
+            vspec = verify_spec(spec.src_rank, engine.digest_geometries[spec.src_rank], source.local_descs,
                                 source.remote_descs, spec.local_idx, spec.remote_idx,
-                                entry["remote_block_ids"], num_tokens)
-            if self.mode == "sample":
-                vspec = vspec.sample(self.rng, self.sample_units)
+                                entry["remote_block_ids"], num_tokens, first_tokens, sample)
             sources.append(SourceCheck(spec.src_rank, vspec, engine.digest_slots[spec.src_rank], []))
         for src in sources:
             rows = src.pool.take(_slot_rows(src.spec))

@@ -21,16 +21,17 @@ Pure: numbers and numpy arrays only; computing digests over memory is `connector
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
+import xxhash
 
 from kvlink.layout.geometry import Region, WorkerGeometry
 from kvlink.layout.spec import SlidingWindow, is_ssm
 
 ENTRY_BYTES = 8
+_SEED_ROOT = 0x6B766C696E6B2D31  # any constant: the chain's start
 IntArray = npt.NDArray[np.int64]
 
 
@@ -125,44 +126,90 @@ class UnitRanges:
         return self.addrs.size // self.per_unit if self.per_unit else 0
 
 
-def unit_ranges(geometry: WorkerGeometry, group: int, blocks: npt.ArrayLike, block_indices: npt.ArrayLike,
-                num_tokens: int) -> UnitRanges:
-    """Where the units of logical blocks `blocks` (at `block_indices` in the request's block
-    list) of `group` lie in this worker's memory, for a request shipping `num_tokens` tokens."""
-    regions = group_regions(geometry, group)
+@dataclass(frozen=True, eq=False)
+class GroupPages:
+    """One group's layers as the digests see them, as arrays (built once per geometry)."""
+
+    ssm: bool
+    bases: IntArray  # per layer of the group
+    strides: IntArray
+    unit_bytes: IntArray
+    token_bytes: IntArray
+    prefix: npt.NDArray[np.bool_]
+    heads: int  # units of one attention page
+    units_per_block: int
+    ssm_offsets: IntArray  # [unit, layer] from the page start (SSM)
+    ssm_lengths: IntArray
+
+
+@dataclass(frozen=True, eq=False)
+class DigestGeometry:
+    """A worker's geometry with its digest table layout and per-group arrays."""
+
+    geometry: WorkerGeometry
+    layout: DigestLayout
+    groups: tuple[GroupPages | None, ...]
+
+
+def digest_geometry(geometry: WorkerGeometry) -> DigestGeometry:
+    groups: list[GroupPages | None] = []
+    for group in range(len(geometry.model.groups)):
+        regions = group_regions(geometry, group)
+        if not regions:
+            groups.append(None)
+            continue
+        def ints(values: list[int]) -> IntArray:
+            return np.array(values, dtype=np.int64)
+
+        ssm = regions[0].kind == "ssm"
+        empty = np.zeros((0, len(regions)), np.int64)
+        offsets, lengths = _ssm_unit_offsets(regions) if ssm else (empty, empty)
+        heads = regions[0].units
+        groups.append(GroupPages(
+            ssm=ssm, bases=ints([r.base for r in regions]), strides=ints([r.page_stride for r in regions]),
+            unit_bytes=ints([r.unit_bytes for r in regions]), token_bytes=ints([r.token_bytes for r in regions]),
+            prefix=np.array([not ssm and prefix_digests(geometry, r) for r in regions]), heads=heads,
+            units_per_block=offsets.shape[0] if ssm else geometry.physical_per_logical * heads,
+            ssm_offsets=offsets, ssm_lengths=lengths))
+    return DigestGeometry(geometry, digest_layout(geometry), tuple(groups))
+
+
+def unit_ranges(dg: DigestGeometry, group: int, blocks: npt.ArrayLike, block_indices: npt.ArrayLike,
+                num_tokens: int, units: npt.ArrayLike | None = None) -> UnitRanges:
+    """Where units of logical blocks `blocks` (at `block_indices` in the request's block list)
+    of `group` lie in the worker's memory, for a request shipping `num_tokens` tokens: every
+    unit of each block, block by block, or with `units` the one unit of each entry."""
+    pages_of = dg.groups[group]
     block_ids = np.asarray(blocks, dtype=np.int64).reshape(-1)
     indices = np.asarray(block_indices, dtype=np.int64).reshape(-1)
-    if not regions:
+    if pages_of is None:
         return UnitRanges(np.zeros(0, np.int64), np.zeros(0, np.int64), 0, 0)
-    bases = np.array([r.base for r in regions], dtype=np.int64)
-    strides = np.array([r.page_stride for r in regions], dtype=np.int64)
-    if regions[0].kind == "ssm":
-        offsets, lengths = _ssm_unit_offsets(regions)
-        addrs = bases[None, None, :] + block_ids[:, None, None] * strides[None, None, :] + offsets[None]
-        lengths = np.broadcast_to(lengths[None], addrs.shape)
-        return UnitRanges(addrs.reshape(-1), np.ascontiguousarray(lengths).reshape(-1), len(regions),
-                          offsets.shape[0])
-    ppl, kbs, units = geometry.physical_per_logical, geometry.kernel_block_size, regions[0].units
-    # [block, page, unit, region]; a slice lists its units page by page, head by head.
-    page_first = indices[:, None] * geometry.block_size + np.arange(ppl, dtype=np.int64)[None, :] * kbs
-    page_tokens = np.clip(num_tokens - page_first, 0, kbs)
-    pages = block_ids[:, None] * ppl + np.arange(ppl, dtype=np.int64)[None, :]
-    unit_bytes = np.array([r.unit_bytes for r in regions], dtype=np.int64)
-    token_bytes = np.array([r.token_bytes for r in regions], dtype=np.int64)
-    prefix = np.array([prefix_digests(geometry, r) for r in regions])
-    unit = np.arange(units, dtype=np.int64)
-    addrs = (bases[None, None, None, :] + pages[:, :, None, None] * strides[None, None, None, :]
-             + unit[None, None, :, None] * unit_bytes[None, None, None, :])
-    shipped = page_tokens[:, :, None, None]
-    lengths = np.where(prefix[None, None, None, :], shipped * token_bytes[None, None, None, :],
-                       unit_bytes[None, None, None, :])
-    lengths = np.broadcast_to(np.where(shipped > 0, lengths, 0), addrs.shape)
-    return UnitRanges(addrs.reshape(-1), np.ascontiguousarray(lengths).reshape(-1), len(regions),
-                      ppl * units)
+    g = pages_of
+    per_block = g.units_per_block
+    if units is None:
+        unit = np.tile(np.arange(per_block, dtype=np.int64), block_ids.size)
+        block_ids, indices = np.repeat(block_ids, per_block), np.repeat(indices, per_block)
+    else:
+        unit = np.asarray(units, dtype=np.int64).reshape(-1)
+    layers = g.bases.size
+    if g.ssm:
+        addrs = g.bases[None, :] + block_ids[:, None] * g.strides[None, :] + g.ssm_offsets[unit]
+        return UnitRanges(addrs.reshape(-1), g.ssm_lengths[unit].reshape(-1), layers, per_block)
+    geometry = dg.geometry
+    kbs = geometry.kernel_block_size
+    page_in_block, head = unit // g.heads, unit % g.heads
+    page_tokens = np.clip(num_tokens - indices * geometry.block_size - page_in_block * kbs, 0, kbs)
+    pages = block_ids * geometry.physical_per_logical + page_in_block
+    # [unit, layer]
+    addrs = g.bases[None, :] + pages[:, None] * g.strides[None, :] + head[:, None] * g.unit_bytes[None, :]
+    shipped = page_tokens[:, None]
+    lengths = np.where(g.prefix[None, :], shipped * g.token_bytes[None, :], g.unit_bytes[None, :])
+    lengths = np.where(shipped > 0, lengths, 0)
+    return UnitRanges(addrs.reshape(-1), lengths.reshape(-1), layers, per_block)
 
 
 def _ssm_unit_offsets(regions: tuple[Region, ...]) -> tuple[IntArray, IntArray]:
-    """[unit, region] byte offsets from each region's page start, and lengths, of an SSM page."""
+    """[unit, layer] byte offsets from each layer's page start, and lengths, of an SSM page."""
     offsets: list[list[int]] = []
     lengths: list[list[int]] = []
     for index, sub in enumerate(regions[0].sub_parts):
@@ -170,8 +217,8 @@ def _ssm_unit_offsets(regions: tuple[Region, ...]) -> tuple[IntArray, IntArray]:
             parts = [region.sub_parts[index] for region in regions]
             offsets.append([part.offset + unit * part.unit_bytes for part in parts])
             lengths.append([part.unit_bytes for part in parts])
-    return np.array(offsets, dtype=np.int64).reshape(-1, len(regions)), \
-        np.array(lengths, dtype=np.int64).reshape(-1, len(regions))
+    shape = (-1, len(regions))
+    return np.array(offsets, dtype=np.int64).reshape(shape), np.array(lengths, dtype=np.int64).reshape(shape)
 
 
 def block_seeds(token_ids: npt.ArrayLike, block_size: int, num_tokens: int) -> list[int]:
@@ -181,10 +228,12 @@ def block_seeds(token_ids: npt.ArrayLike, block_size: int, num_tokens: int) -> l
     tokens = np.asarray(token_ids, dtype=np.int64)[:num_tokens]
     if tokens.size < num_tokens:
         raise ValueError(f"{tokens.size} prompt tokens, but {num_tokens} are shipped")
+    data = memoryview(tokens.tobytes())
+    step = block_size * tokens.itemsize
     seeds: list[int] = []
-    chain = b"kvlink-kv-digest"
-    for start in range(0, num_tokens, block_size):
-        chain = hashlib.blake2b(chain + tokens[start:start + block_size].tobytes(), digest_size=8).digest()
+    chain = _SEED_ROOT
+    for start in range(0, len(data), step):
         # 0 marks an unwritten slice, never a seed.
-        seeds.append(int.from_bytes(chain, "little") or 1)
+        chain = xxhash.xxh3_64_intdigest(data[start:start + step], seed=chain) or 1
+        seeds.append(chain)
     return seeds

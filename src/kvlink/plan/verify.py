@@ -18,13 +18,12 @@ import numpy as np
 import numpy.typing as npt
 
 from kvlink.layout.digests import (
+    DigestGeometry,
     DigestLayout,
-    digest_layout,
     seed_index,
     shipped_blocks,
     unit_ranges,
 )
-from kvlink.layout.geometry import WorkerGeometry
 from kvlink.plan.descriptors import DescArray, IntArray
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -60,20 +59,6 @@ class VerifySpec:
     @property
     def checked_bytes(self) -> int:
         return int(self.piece_len.sum())
-
-    def sample(self, rng: np.random.Generator, count: int) -> VerifySpec:
-        """The same spec checking at most `count` units, chosen at random (slices all kept:
-        every seed is still checked)."""
-        if count >= self.units:
-            return self
-        keep = np.sort(rng.choice(self.units, size=count, replace=False))
-        sizes = np.diff(self.piece_starts)[keep]
-        starts = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
-        pieces = np.concatenate([np.arange(self.piece_starts[k], self.piece_starts[k + 1]) for k in keep]) \
-            if keep.size else _EMPTY
-        return VerifySpec(self.src_rank, self.layout, self.slice_group, self.slice_index, self.slice_block,
-                          self.unit_slice[keep], self.unit_slot[keep], starts, self.piece_addr[pieces],
-                          self.piece_len[pieces], self.unverifiable)
 
 
 def _locate(ranges_addr: IntArray, ranges_len: IntArray, remote_start: IntArray, remote_len: IntArray,
@@ -115,73 +100,157 @@ def _touched(ranges_addr: IntArray, ranges_len: IntArray, remote_start: IntArray
     return touched
 
 
+def _eligible(dg: DigestGeometry, group: int, ids: IntArray, num_tokens: int, first_token: int) -> IntArray:
+    """Indices of the group's shipped blocks the reader reads from (a D prefix hit or a window
+    start skips whole blocks before `first_token`)."""
+    geometry = dg.geometry
+    indices = np.asarray(shipped_blocks(geometry, group, num_tokens, ids.size), dtype=np.int64)
+    pages = dg.groups[group]
+    if pages is not None and not pages.ssm:
+        indices = indices[indices >= first_token // geometry.block_size]
+    return indices[ids[indices] >= 0]
+
+
+@dataclass(frozen=True)
+class _Eligible:
+    group: int
+    indices: IntArray  # into the request's block list
+    ids: IntArray  # the source's block ids of the group
+    per_block: int
+
+
+@dataclass(frozen=True)
+class _Held:
+    group: int
+    index: int
+    unit: int
+    pieces: list[tuple[int, int]]
+
+
+@dataclass(frozen=True, eq=False)
+class _Found:
+    """Located units of one group: which are held whole, and where their ranges landed."""
+
+    group: int
+    held: IntArray  # positions of the held units
+    index_of: IntArray
+    unit_of: IntArray
+    per_unit: int
+    local: IntArray
+    lengths: IntArray
+    spread: dict[int, list[tuple[int, int]]]
+    partial: int
+
+    def take(self, positions: Sequence[int]) -> list[_Held]:
+        out = []
+        for k in positions:
+            pieces = [piece for r in range(k * self.per_unit, (k + 1) * self.per_unit)
+                      for piece in self.spread.get(r, [(int(self.local[r]), int(self.lengths[r]))])]
+            out.append(_Held(self.group, int(self.index_of[k]), int(self.unit_of[k]), pieces))
+        return out
+
+
+def _find(dg: DigestGeometry, block: _Eligible, indices: IntArray, units: IntArray | None,
+          located: tuple[IntArray, IntArray, IntArray], num_tokens: int) -> _Found:
+    """Locate units of one group: every unit of `indices`' blocks, or one per entry with `units`."""
+    ranges = unit_ranges(dg, block.group, block.ids[indices], indices, num_tokens, units)
+    remote_start, remote_len, local_start = located
+    covered, local, spread = _locate(ranges.addrs, ranges.lengths, remote_start, remote_len, local_start)
+    shape = (ranges.units, ranges.per_unit)
+    shipped = ranges.lengths.reshape(shape)[:, 0] > 0
+    held = shipped & covered.reshape(shape).all(axis=1)
+    partial = shipped & ~held & _touched(ranges.addrs, ranges.lengths, remote_start,
+                                         remote_len).reshape(shape).any(axis=1)
+    if units is None:
+        index_of = np.repeat(indices, block.per_block)
+        unit_of = np.tile(np.arange(block.per_block, dtype=np.int64), indices.size)
+    else:
+        index_of, unit_of = indices, units
+    return _Found(block.group, np.flatnonzero(held), index_of, unit_of, ranges.per_unit, local, ranges.lengths,
+                  spread, int(partial.sum()))
+
+
 def verify_spec(
-    src_rank: int, remote: WorkerGeometry, local_descs: DescArray, remote_descs: DescArray,
+    src_rank: int, dg: DigestGeometry, local_descs: DescArray, remote_descs: DescArray,
     local_idx: IntArray, remote_idx: IntArray, remote_block_ids: Sequence[Sequence[int] | IntArray],
-    num_tokens: int,
+    num_tokens: int, first_tokens: Sequence[int], sample: tuple[np.random.Generator, int] | None = None,
 ) -> VerifySpec:
-    """The units of source `remote` that a read of `remote_descs[remote_idx]` into
-    `local_descs[local_idx]` holds whole, for a request shipping `num_tokens` tokens."""
-    layout = digest_layout(remote)
+    """The units of source `dg` that a read of `remote_descs[remote_idx]` into
+    `local_descs[local_idx]` holds whole, for a request shipping `num_tokens` tokens, the
+    reader's part of group g starting at token `first_tokens[g]`. With `sample = (rng, k)`:
+    k of them drawn at random, locating only candidates, so the cost does not grow with the
+    request. Every read block's slice is listed either way (its seed is always checked)."""
     remote_all = remote_descs[remote_idx, 0].astype(np.int64)
     order = np.argsort(remote_all, kind="stable")
-    remote_start = remote_all[order]
-    remote_len = remote_descs[remote_idx, 1].astype(np.int64)[order]
-    local_start = local_descs[local_idx, 0].astype(np.int64)[order]
-    slice_cols: list[IntArray] = []
-    unit_slice: list[IntArray] = []
-    unit_slot: list[IntArray] = []
-    addr_parts: list[IntArray] = []
-    len_parts: list[IntArray] = []
-    counts: list[IntArray] = []
-    unverifiable = 0
-    slices_so_far = 0
-    for group in range(len(remote.model.groups)):
+    located = (remote_all[order], remote_descs[remote_idx, 1].astype(np.int64)[order],
+               local_descs[local_idx, 0].astype(np.int64)[order])
+    blocks = []
+    for group, pages in enumerate(dg.groups):
         ids = np.asarray(remote_block_ids[group], dtype=np.int64)
-        indices = np.asarray(shipped_blocks(remote, group, num_tokens, ids.size), dtype=np.int64)
-        indices = indices[ids[indices] >= 0]
-        if not indices.size or not layout.group_units[group]:
+        if pages is None or not pages.units_per_block or not ids.size:
             continue
-        ranges = unit_ranges(remote, group, ids[indices], indices, num_tokens)
-        covered, local, spread = _locate(ranges.addrs, ranges.lengths, remote_start, remote_len, local_start)
-        shape = (ranges.units, ranges.per_unit)
-        shipped = ranges.lengths.reshape(shape)[:, 0] > 0
-        held = shipped & covered.reshape(shape).all(axis=1)
-        partial = shipped & ~held & _touched(ranges.addrs, ranges.lengths, remote_start,
-                                             remote_len).reshape(shape).any(axis=1)
-        unverifiable += int(partial.sum())
-        units = np.flatnonzero(held)
-        if not units.size:
-            continue
-        block_of = units // ranges.units_per_block
-        blocks, slice_of = np.unique(block_of, return_inverse=True)
-        seeds = [seed_index(remote, group, int(i), num_tokens) for i in indices[blocks]]
-        slice_cols.append(np.stack([np.full(blocks.size, group), seeds, ids[indices[blocks]]], axis=1))
-        unit_slice.append(slices_so_far + slice_of.astype(np.int64))
-        unit_slot.append(1 + units % ranges.units_per_block)
-        slices_so_far += blocks.size
-        range_ids = (units[:, None] * ranges.per_unit + np.arange(ranges.per_unit)[None, :]).reshape(-1)
-        if not spread:
-            addr_parts.append(local[range_ids])
-            len_parts.append(ranges.lengths[range_ids])
-            counts.append(np.full(units.size, ranges.per_unit, dtype=np.int64))
-            continue
-        for unit in units:
-            n = 0
-            for k in range(unit * ranges.per_unit, (unit + 1) * ranges.per_unit):
-                run = spread.get(k) or [(int(local[k]), int(ranges.lengths[k]))]
-                addr_parts.append(np.array([a for a, _ in run], dtype=np.int64))
-                len_parts.append(np.array([length for _, length in run], dtype=np.int64))
-                n += len(run)
-            counts.append(np.array([n], dtype=np.int64))
-    cols = np.concatenate(slice_cols) if slice_cols else np.zeros((0, 3), dtype=np.int64)
-    per_unit_pieces = np.concatenate(counts) if counts else _EMPTY
+        indices = _eligible(dg, group, ids, num_tokens, int(first_tokens[group]))
+        if indices.size:
+            blocks.append(_Eligible(group, indices, ids, pages.units_per_block))
+    held: list[_Held] | None = None
+    unverifiable = 0
+    if sample is not None:
+        held = _sampled(dg, blocks, located, num_tokens, *sample)
+    if held is None:
+        found = [_find(dg, block, block.indices, None, located, num_tokens) for block in blocks]
+        unverifiable = sum(f.partial for f in found)
+        if sample is None:
+            held = [h for f in found for h in f.take(f.held.tolist())]
+        else:
+            held = _pick(found, *sample)
+    return _spec(src_rank, dg, blocks, held, num_tokens, unverifiable)
+
+
+def _sampled(dg: DigestGeometry, blocks: list[_Eligible], located: tuple[IntArray, IntArray, IntArray],
+             num_tokens: int, rng: np.random.Generator, count: int) -> list[_Held] | None:
+    """`count` held units out of a few random candidates; None when too few candidates are
+    held (a reader of a few heads): the caller then locates every unit and picks from those."""
+    sizes = np.array([b.indices.size * b.per_block for b in blocks], dtype=np.int64)
+    total = int(sizes.sum())
+    if total == 0:
+        return []
+    drawn = rng.choice(total, size=min(total, 4 * count), replace=False)
+    bounds = np.concatenate(([0], np.cumsum(sizes)))
+    found = []
+    for position, block in enumerate(blocks):
+        mine = drawn[(drawn >= bounds[position]) & (drawn < bounds[position + 1])] - bounds[position]
+        if mine.size:
+            found.append(_find(dg, block, block.indices[mine // block.per_block], mine % block.per_block,
+                               located, num_tokens))
+    if sum(f.held.size for f in found) < min(count, total):
+        return None
+    return _pick(found, rng, count)
+
+
+def _pick(found: list[_Found], rng: np.random.Generator, count: int) -> list[_Held]:
+    """`count` of the held units at random, in slice order."""
+    pool = [(f, int(k)) for f in found for k in f.held.tolist()]
+    picked = sorted(rng.permutation(len(pool))[:count].tolist())
+    return [h for i in picked for h in pool[i][0].take([pool[i][1]])]
+
+
+def _spec(src_rank: int, dg: DigestGeometry, blocks: list[_Eligible], held: list[_Held], num_tokens: int,
+          unverifiable: int) -> VerifySpec:
+    slice_of: dict[tuple[int, int], int] = {}
+    rows: list[tuple[int, int, int]] = []
+    for block in blocks:
+        for index in block.indices.tolist():
+            slice_of[(block.group, index)] = len(rows)
+            rows.append((block.group, seed_index(dg.geometry, block.group, index, num_tokens),
+                         int(block.ids[index])))
+    cols = np.array(rows, dtype=np.int64).reshape(-1, 3)
+    counts = np.array([len(h.pieces) for h in held], dtype=np.int64)
     return VerifySpec(
-        src_rank, layout, cols[:, 0], cols[:, 1], cols[:, 2],
-        np.concatenate(unit_slice) if unit_slice else _EMPTY,
-        np.concatenate(unit_slot) if unit_slot else _EMPTY,
-        np.concatenate(([0], np.cumsum(per_unit_pieces))).astype(np.int64),
-        np.concatenate(addr_parts) if addr_parts else _EMPTY,
-        np.concatenate(len_parts) if len_parts else _EMPTY,
+        src_rank, dg.layout, cols[:, 0], cols[:, 1], cols[:, 2],
+        np.array([slice_of[(h.group, h.index)] for h in held], dtype=np.int64),
+        np.array([1 + h.unit for h in held], dtype=np.int64),
+        np.concatenate(([0], np.cumsum(counts))).astype(np.int64),
+        np.array([a for h in held for a, _ in h.pieces], dtype=np.int64),
+        np.array([n for h in held for _, n in h.pieces], dtype=np.int64),
         unverifiable,
     )
