@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 # `kvlink bench <name>`: one module per benchmark.
 BENCHES: dict[str, tuple[str, str]] = {
     "plan": ("kvlink.cli.bench_plan", "time per-request planning arrays"),
+    "digest": ("kvlink.cli.bench_digest", "hash throughput of candidate KV digests on KV-sized buffers"),
     "serve": ("kvlink.cli.bench_serve", "TTFT, inter-token latency and throughput: 1P1D vs colocated"),
     "transfer": ("kvlink.cli.bench_transfer", "P/D worker processes: connector pull/push vs raw NIXL vs memcpy"),
     "load": ("kvlink.cli.bench_load", "500 requests through a router (or two), 10%% cancelled: no leaks, TTFT, errors"),
