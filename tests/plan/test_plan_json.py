@@ -118,3 +118,19 @@ def test_the_bound_holds_every_preset_at_128k_tokens_and_tp_up_to_8() -> None:
                                     D_ADDRESS_SPACE)
                     largest = max(largest, sum(plan_bytes(reader, dict(enumerate(p))) for reader in d))
     assert largest == 366 * 2**20 < REPORT_MAX_PLAN_BYTES
+
+
+def test_a_reader_that_leaves_early_ends_the_stream_quietly() -> None:
+    """`kvlink plan --json | head`: the closed pipe ends the command, exit 0, no traceback."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "kvlink.cli.main", "plan", "--preset", "llama3-8b",
+                             "--p-tp", "2", "--d-tp", "16", "--tokens", "4577", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.read(100)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 0, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err

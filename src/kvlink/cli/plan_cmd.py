@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Iterable
 from typing import Any
@@ -67,7 +68,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvlink plan: impossible request: {exc}", file=sys.stderr)
         return 2
-    sys.stdout.writelines(pieces)
+    try:
+        sys.stdout.writelines(pieces)
+        sys.stdout.flush()
+    except BrokenPipeError:  # the reader left (`kvlink plan --json | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     return 0
 
 
