@@ -73,7 +73,7 @@ class PullReader:
             if staged is not None:
                 assert engine.pool is not None
                 engine.pool.give(staged.slots)
-            return self._wait_for_slots(entry)
+            return self._wait_for_slots(entry, "free KV digest slots")
         load = w.book.start(rid, entry, all_blocks(entry), w.clock())
         load.check = check
         if staged is not None:
@@ -128,17 +128,18 @@ class PullReader:
         groups = (ids - base) // pool.slots
         return sum(pool.layout.slice_bytes(int(g)) for g in groups)
 
-    def _wait_for_slots(self, entry: dict[str, Any]) -> bool:
-        """No digest slots free: the load waits for them, up to the stall deadline."""
+    def _wait_for_slots(self, entry: dict[str, Any], what: str, advice: str = "") -> bool:
+        """No free slots (staging pages, digest slots) for a load: it waits for them, up to the
+        stall deadline; True once it has failed."""
         w = self.worker
         now = w.clock()
-        since = entry.setdefault("_digest_slots_since", now)
+        since = entry.setdefault(f"_waiting_since {what}", now)
         if now - since <= w.config.stall_timeout_s:
             return False
         w.stats.count("stalled_transfers_total")
         w.fail_request(entry["request_id"], all_blocks(entry), (
-            f"stalled: no free KV digest slots for {now - since:.1f} s (stall_timeout_s "
-            f"{w.config.stall_timeout_s})"), stalled=True)
+            f"stalled: no {what} for {now - since:.1f} s (stall_timeout_s {w.config.stall_timeout_s}){advice}"),
+            stalled=True)
         return True
 
     def send_dones(self, load: Load, engine: RemoteEngine | None) -> None:
@@ -176,12 +177,7 @@ class PullReader:
         now = w.clock()
         slots = pool.take(need, now)
         if slots is None:
-            since = entry.setdefault("_staging_since", now)
-            if now - since > w.config.stall_timeout_s:
-                w.stats.count("stalled_transfers_total")
-                w.fail_request(entry["request_id"], all_blocks(entry), (
-                    f"stalled: no {need} free staging pages for {now - since:.1f} s "
-                    f"(stall_timeout_s {w.config.stall_timeout_s}); raise staging_mib"), stalled=True)
+            self._wait_for_slots(entry, f"{need} free staging pages", "; raise staging_mib")
             return None
         try:
             request = staged.request(entry["local_block_ids"], entry["remote_block_ids"], num_tokens,
