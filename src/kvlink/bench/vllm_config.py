@@ -43,6 +43,7 @@ class VllmBenchConfig:
     reference_tokens: int = 32
     cores: tuple[int, int] = (0, 1)
     enforce_eager: bool = False
+    verify_kv: str | None = None  # kvlink's KV integrity check (None: the connector's default)
     log_dir: Path = Path("bench-results/vllm/logs")
 
     def cases(self) -> list[Case]:

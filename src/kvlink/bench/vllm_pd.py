@@ -72,7 +72,7 @@ def run_case(config: VllmBenchConfig, case: Case, index: int, reference: list[st
                               "client": None, "transfer": None, "metrics_delta": None,
                               "answers": None, "idle_cpu": None, "error": None}
     ports = CasePorts.draw()
-    p_cfg, p_env, d_cfg, d_env = kv_setup(case, ports, secret)
+    p_cfg, p_env, d_cfg, d_env = kv_setup(case, ports, secret, config.verify_kv)
     log_dir = config.log_dir / case.name.replace(" ", "_").replace(">", "")
     servers: list[Service] = []
     model = str(config.model_dir)

@@ -42,16 +42,19 @@ class CasePorts:
         return cls(prefill=draw(), decode=draw(), proxy=draw(), side_prefill=draw(), side_decode=draw())
 
 
-def kv_setup(case: Case, ports: CasePorts, secret: str) -> tuple[dict[str, Any], dict[str, str],
-                                                                 dict[str, Any], dict[str, str]]:
-    """(P config, P env, D config, D env) for the case's connector."""
+def kv_setup(case: Case, ports: CasePorts, secret: str, verify_kv: str | None = None
+             ) -> tuple[dict[str, Any], dict[str, str], dict[str, Any], dict[str, str]]:
+    """(P config, P env, D config, D env) for the case's connector; `verify_kv` (kvlink only,
+    None: the connector's default) goes to both sides."""
     if case.connector == "nixl":
         cfg = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
         host = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
         return (cfg, {**host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(ports.side_prefill)},
                 cfg, {**host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(ports.side_decode)})
     env = {"KVLINK_SECRET": secret}
-    return (kvlink_transfer_config(ports.side_prefill), env, kvlink_transfer_config(ports.side_decode), env)
+    extra = {"verify_kv": verify_kv} if verify_kv is not None else {}
+    return (kvlink_transfer_config(ports.side_prefill, **extra), env,
+            kvlink_transfer_config(ports.side_decode, **extra), env)
 
 
 def _pythonpath() -> str:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlink.cli.ranges import ranged
+from kvlink.connector.config import VERIFY_MODES
 from kvlink.layout.limits import CONCURRENCY, COUNT, SECONDS, SEED, int_range
 
 CONNECTOR_NAMES = ("nixl", "kvlink")
@@ -47,6 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true",
                         help="pass --enforce-eager to every vLLM server (no torch.compile: "
                              "much faster start on a loaded machine, slower decode)")
+    parser.add_argument("--verify-kv", choices=VERIFY_MODES, default=None,
+                        help="kvlink's KV integrity check (off, sample, full; default: the connector's)")
     parser.add_argument("--quick", action="store_true",
                         help="4 prompts, only P128->D128, 5 s idle window")
     parser.add_argument("--out-dir", type=Path, default=Path("bench-results/vllm"),
@@ -87,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed, connectors=args.connectors, block_pairs=pairs,
         idle_s=args.idle_s or (5.0 if args.quick else 10.0),
         startup_timeout_s=args.startup_timeout_s, cores=(args.prefill_core, args.decode_core),
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager, verify_kv=args.verify_kv,
         log_dir=(out_dir / "logs").resolve())
 
     def interrupted(signum: int, _frame: object) -> None:
