@@ -235,13 +235,17 @@ def test_failed_load_under_policy_fail_says_why_in_error_kind(
     assert_all_free(p, d)
 
 
+# Long enough that the recompute (a local prefill and decode) ends inside it on a loaded machine.
+QUARANTINE_S = 2.0
+
+
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
 def test_stalled_load_quarantines_its_blocks(model: TinyHybridModel, colocated: list[int],
                                              policy: LoadFailurePolicy) -> None:
     p, p_worker, params = prefill_on_p(model)
     worker = CopyingWorker(source=p)
     worker.fail.add("x")
-    worker.quarantine["x"] = 0.5
+    worker.quarantine["x"] = QUARANTINE_S
     d = engine(model, FakeConnector(policy), worker)
     free_before = [pool.num_free_blocks for pool in d.pools]
     d.add_request("x", PROMPT, PARAMS, params)
@@ -254,7 +258,7 @@ def test_stalled_load_quarantines_its_blocks(model: TinyHybridModel, colocated: 
     assert sum(stats["quarantined_blocks"]) > 0, "a late transfer could still write these blocks"
     assert sum(b for b in (pool.num_free_blocks for pool in d.pools)) < sum(free_before)
     d.check_integrity()
-    time.sleep(0.6)
+    time.sleep(QUARANTINE_S + 0.1)
     drain(d)
     p_worker.pending.finished_sending.add("x")
     drain(p)
