@@ -1,7 +1,9 @@
-"""Greedy completions against a vLLM server, with the token ids (tests compare those)."""
+"""Greedy completions against a vLLM server, with the token ids (tests compare those), and the
+figures tests read back: vLLM's /metrics, kvlink's per-worker endpoint, idleness."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -22,3 +24,40 @@ def token_ids(resp: httpx.Response) -> list[int]:
 def greedy_token_ids(url: str, model: str, prompts: Iterable[str]) -> dict[str, list[int]]:
     """Each prompt's greedy token ids from one server (a colocated reference)."""
     return {prompt: token_ids(complete(url, model, prompt)) for prompt in prompts}
+
+
+def metric(url: str, name: str, labels: str = "") -> float:
+    """The sum of a series over its labels on a Prometheus endpoint (`labels`: a fragment every
+    counted line's labels must contain, e.g. 'remote_engine="p1"')."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if (line.startswith(name + "{") and labels in line) or (not labels and line.startswith(name + " ")))
+
+
+def wait_metric(url: str, name: str, above: float, within_s: float = 5.0) -> float:
+    """The series once it is above `above` (stats reach vLLM's API server with a later engine
+    step); its value after `within_s` otherwise."""
+    deadline = time.monotonic() + within_s
+    while (value := metric(url, name)) <= above and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return value
+
+
+def kvlink_state(metrics_port: int) -> dict[str, Any]:
+    """What a kvlink worker (rank 0) holds right now, from its `metrics_port` endpoint."""
+    state: dict[str, Any] = httpx.get(f"http://127.0.0.1:{metrics_port}/debug/state", timeout=5).json()
+    return state
+
+
+def wait_idle(url: str, metrics_port: int, within_s: float, name: str = "") -> float:
+    """Seconds until vLLM's KV usage at `url` is 0 and kvlink holds nothing there."""
+    started = time.monotonic()
+    while True:
+        usage = metric(url, "vllm:kv_cache_usage_perc")
+        state = kvlink_state(metrics_port)
+        held = {k: state[k] for k in ("leases", "loads_in_flight", "open_transfers", "waiting_for_handshake")}
+        if usage == 0 and not any(held.values()):
+            return time.monotonic() - started
+        if time.monotonic() - started > within_s:
+            raise AssertionError(f"{name or url}: KV usage {usage}, kvlink holds {held} after {within_s:.0f}s")
+        time.sleep(0.25)

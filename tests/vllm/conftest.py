@@ -92,12 +92,17 @@ class VllmServers:
             self.stop(server)
 
     def kvlink_spec(self, model: Path, name: str, cores: str, secret: str, by_name: bool = False,
-                    env: dict[str, str] | None = None, **fields: Any) -> VllmServerSpec:
+                    env: dict[str, str] | None = None, extra: dict[str, Any] | None = None,
+                    policy: str | None = None, **fields: Any) -> VllmServerSpec:
         """An eager server with KvlinkConnector (`kv_both`, its own side-channel port) signing with
-        `secret`; `by_name`: the config names the connector only (found through kvlink's plugin)."""
+        `secret`; `by_name`: the config names the connector only (found through kvlink's plugin);
+        `extra`: more kv_connector_extra_config; `policy`: vLLM's kv_load_failure_policy."""
+        config = kvlink_transfer_config(self.side_channel_port(), by_name=by_name, **(extra or {}))
+        if policy is not None:
+            config["kv_load_failure_policy"] = policy
         return VllmServerSpec(model=model, port=self.http_port(), cores=cores, enforce_eager=True,
-                              kv_transfer_config=kvlink_transfer_config(self.side_channel_port(), by_name=by_name),
-                              env={**(env or {}), "KVLINK_SECRET": secret}, name=name, **fields)
+                              kv_transfer_config=config, env={**(env or {}), "KVLINK_SECRET": secret},
+                              name=name, **fields)
 
 
 @pytest.fixture(scope="session")

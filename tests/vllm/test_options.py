@@ -47,6 +47,27 @@ def test_bad_values_are_refused(extra: dict[str, object]) -> None:
         connector_config(extra, engine_id="e", load_failure_policy="fail")
 
 
+def test_kv_integrity_options() -> None:
+    default = connector_config({}, engine_id="e", load_failure_policy="fail")
+    assert (default.verify_kv, default.verify_sample_units) == ("sample", 4)
+    for mode in ("off", "sample", "full"):
+        assert connector_config({"verify_kv": mode}, engine_id="e", load_failure_policy="fail").verify_kv == mode
+    cfg = connector_config({"verify_kv": "sample", "verify_sample_units": 16}, engine_id="e",
+                           load_failure_policy="fail")
+    assert cfg.verify_sample_units == 16
+    assert {"verify_kv", "verify_sample_units"} <= set(known_keys())
+
+
+@pytest.mark.parametrize("extra, option", [
+    ({"verify_kv": "fulll"}, "verify_kv"), ({"verify_kv": True}, "verify_kv"), ({"verify_kv": None}, "verify_kv"),
+    ({"verify_sample_units": 0}, "verify_sample_units"), ({"verify_sample_units": "4"}, "verify_sample_units"),
+    ({"verify_sample_units": 2.5}, "verify_sample_units"), ({"verify_sample_units": True}, "verify_sample_units"),
+])
+def test_bad_integrity_values_name_the_option(extra: dict[str, object], option: str) -> None:
+    with pytest.raises(BadExtraConfig, match=f"kvlink: bad kv_connector_extra_config: {option}"):
+        connector_config(extra, engine_id="e", load_failure_policy="fail")
+
+
 def test_secret_file(tmp_path: Path) -> None:
     path = tmp_path / "secret"
     path.write_text(SECRET + "\n")

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import psutil
 import pytest
+from vllm_client import metric, wait_metric
+from vllm_client import wait_idle as idle_after
 
 from kvlink.bench.routers import router_argv, vllm_router_executable
 from kvlink.connector.secret import new_secret
@@ -49,6 +51,8 @@ PROMPTS = [
     "Once upon a time, " + " ".join(SENTENCE.format(i) for i in range(200, 236)),
 ]
 PAGE_BYTES_PER_TOKEN = 30 * 3 * 2 * 64 * 4  # SmolLM2: 30 layers, 3 KV heads, K and V of 64, fp32
+# D checks what it loads against P's digests (verify_kv's default, sample): units found equal.
+VERIFIED = "vllm:kvlink_kv_verified_units_total"
 
 
 class PD:
@@ -92,37 +96,20 @@ class PD:
             time.sleep(0.1)
         return str(resp.json()["choices"][0]["text"]), vllm_metric(d, "vllm:kvlink_bytes_transferred_sum") - before
 
-    def kvlink_state(self, name: str) -> dict[str, Any]:
-        state: dict[str, Any] = httpx.get(f"http://127.0.0.1:{self.metrics_ports[name]}/debug/state",
-                                          timeout=5).json()
-        return state
 
 
-def vllm_metric(server: Service, name: str) -> float:
-    text = httpx.get(server.url + "/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
+def vllm_metric(server: Service, name: str, labels: str = "") -> float:
+    return metric(server.url, name, labels)
 
 
 def wait_idle(pd: PD, server: Service, name: str, within_s: float) -> float:
     """Seconds until vLLM's KV usage on `server` is 0 and kvlink holds nothing there."""
-    started = time.monotonic()
-    while True:
-        usage = vllm_metric(server, "vllm:kv_cache_usage_perc")
-        state = pd.kvlink_state(name)
-        held = {k: state[k] for k in ("leases", "loads_in_flight", "open_transfers", "waiting_for_handshake")}
-        if usage == 0 and not any(held.values()):
-            return time.monotonic() - started
-        if time.monotonic() - started > within_s:
-            raise AssertionError(f"{name}: KV usage {usage}, kvlink holds {held} after {within_s:.0f}s")
-        time.sleep(0.25)
+    return idle_after(server.url, pd.metrics_ports[name], within_s, name)
 
 
 def worker_counter(pd: PD, name: str, counter: str) -> float:
     """A kvlink counter from the worker's own /metrics (rank 0)."""
-    text = httpx.get(f"http://127.0.0.1:{pd.metrics_ports[name]}/metrics", timeout=5).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(f"kvlink_{counter} ") or line.startswith(f"kvlink_{counter}{{"))
+    return metric(f"http://127.0.0.1:{pd.metrics_ports[name]}", f"kvlink_{counter}")
 
 
 def workers_of(server: Service) -> list[psutil.Process]:
@@ -206,9 +193,11 @@ def shipped_bytes(pd: PD, prompt: str, p_block: int, d_block: int) -> int:
 @pytest.mark.parametrize("index", range(len(PROMPTS)))
 def test_same_block_size_equals_colocated(pd: PD, colocated: Colocated, index: int) -> None:
     prompt = "(128->128) " + PROMPTS[index]
+    checked = vllm_metric(pd.b, VERIFIED)
     text, nbytes = pd.run(pd.a, pd.b, prompt)
     assert text == colocated(prompt)
     assert nbytes == shipped_bytes(pd, prompt, 128, 128)
+    assert wait_metric(pd.b.url, VERIFIED, checked) > checked  # D checked P's digests
 
 
 # Between different block sizes D reads whole P blocks into staging pages and re-lays them
@@ -218,15 +207,19 @@ def test_same_block_size_equals_colocated(pd: PD, colocated: Colocated, index: i
 def test_different_block_sizes_equal_colocated(pd: PD, colocated: Colocated, direction: str, index: int) -> None:
     p, d, sizes = (pd.c, pd.b, (32, 128)) if direction == "32->128" else (pd.a, pd.e, (128, 32))
     prompt = f"({direction}) " + PROMPTS[index]
+    checked = vllm_metric(d, VERIFIED)
     text, nbytes = pd.run(p, d, prompt)
     assert text == colocated(prompt)
     assert nbytes == shipped_bytes(pd, prompt, *sizes)
+    assert wait_metric(d.url, VERIFIED, checked) > checked  # in the staging pages, before the re-layout
 
 
 @pytest.mark.parametrize("index", range(len(PROMPTS)))
 def test_push_mode_equals_colocated(pd: PD, colocated: Colocated, index: int) -> None:
     prompt = "(push 128->128) " + PROMPTS[index]
+    checked = vllm_metric(pd.b, VERIFIED)
     assert pd.run(pd.a, pd.b, prompt, mode="push")[0] == colocated(prompt)
+    assert wait_metric(pd.b.url, VERIFIED, checked) > checked  # P's digests, read after `pushed`
 
 
 # P's WRITE cannot re-layout between block sizes: D turns the push into a staged pull, which
@@ -238,8 +231,10 @@ def test_push_between_block_sizes_equals_colocated(pd: PD, colocated: Colocated,
     p, d, name = (pd.c, pd.b, "b") if direction == "32->128" else (pd.a, pd.e, "e")
     prompt = f"(push {direction}) " + PROMPTS[index]
     before = worker_counter(pd, name, "push_as_staged_pull_total")
+    checked = vllm_metric(d, VERIFIED)
     text, nbytes = pd.run(p, d, prompt, mode="push", d_reads=True)
     assert text == colocated(prompt)
+    assert wait_metric(d.url, VERIFIED, checked) > checked
     deadline = time.monotonic() + 5  # the worker's counters reach its /metrics with the next step
     while worker_counter(pd, name, "push_as_staged_pull_total") == before and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -289,16 +284,41 @@ def test_behind_a_router(pd: PD, colocated: Colocated, kind: str, tmp_path: Path
 
 
 def test_kv_transfer_metrics_line_and_worker_counters(pd: PD) -> None:
-    pd.run(pd.a, pd.b, "(metrics) " + PROMPTS[1])
+    prompt = "(metrics) " + PROMPTS[1]
+    params = pd.prefill(pd.a, prompt)
+    # What P holds for D right now reaches vLLM's /metrics with P's next steps.
+    assert wait_metric(pd.a.url, "vllm:kvlink_pending_sends", 0) == 1
+    tokens = len(httpx.post(pd.a.url + "/tokenize", json={"model": pd.model, "prompt": prompt}, timeout=10)
+                 .json()["tokens"])
+    assert vllm_metric(pd.a, "vllm:kvlink_pending_send_blocks") == -(-tokens // 128)
+    resp = pd.decode(pd.b, prompt, params)
+    assert resp.status_code == 200, resp.text
+    deadline = time.monotonic() + 10
+    while vllm_metric(pd.a, "vllm:kvlink_pending_sends") != 0:
+        assert time.monotonic() < deadline, "P's gauge still shows the request D has read"
+        time.sleep(0.1)
+    assert vllm_metric(pd.a, "vllm:kvlink_pending_send_blocks") == 0
     log = pd.b.log_path.read_text(errors="replace")
     deadline = time.monotonic() + 15  # vLLM logs its stats every 10 s
     while "KV Transfer metrics: Num successful transfers=" not in log and time.monotonic() < deadline:
         time.sleep(0.5)
         log = pd.b.log_path.read_text(errors="replace")
     assert "KV Transfer metrics: Num successful transfers=" in log
+    assert "Num KV checksum mismatches=0" in log
     assert "kvlink load " in log  # one line per request with its transfer figures
     text = httpx.get(f"http://127.0.0.1:{pd.metrics_ports['b']}/metrics", timeout=5).text
     assert "kvlink_transfers_total" in text and "kvlink_loads_in_flight" in text
+    assert "kvlink_kv_verified_units_total" in text
+    # D's /metrics: handshakes per remote engine, integrity and lease counters (each its own).
+    p_engine = f'remote_engine="{params["remote_engine_id"]}"'
+    assert vllm_metric(pd.b, "vllm:kvlink_handshakes_total", p_engine) >= 1
+    assert vllm_metric(pd.b, VERIFIED) > 0 and vllm_metric(pd.b, "vllm:kvlink_kv_verified_bytes_total") > 0
+    series = httpx.get(pd.b.url + "/metrics", timeout=10).text
+    for name in ("kv_checksum_mismatch_total", "kv_digest_rereads_total", "kv_unsealed_loads_total",
+                 "kv_unverifiable_units_total", "expired_leases_total", "failed_transfers_total",
+                 "failed_handshakes_total", "pending_sends", "pending_send_blocks"):
+        assert f"vllm:kvlink_{name}{{" in series, name
+    assert vllm_metric(pd.b, "vllm:kvlink_kv_checksum_mismatch_total") == 0
 
 
 # ---- faults (last: they freeze and kill servers) ------------------------------------------

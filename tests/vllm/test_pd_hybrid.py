@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from vllm_client import complete, token_ids
+from vllm_client import complete, metric, token_ids, wait_metric
 
 from kvlink.connector.secret import new_secret
 from kvlink.integrations.vllm.launch import VllmServerSpec, served_model
@@ -73,5 +73,8 @@ def test_hybrid_pd_equals_colocated(hybrid_pair: list[Service], references: dict
     params = first.json()["kv_transfer_params"]
     assert len(params["remote_block_ids"]) == 4  # one list per KV-cache group (3 Mamba2, 1 attention)
     before = d.log_path.read_text(errors="replace").count("kvlink load ")
+    checked = metric(d.url, "vllm:kvlink_kv_verified_units_total")
     assert token_ids(complete(d.url, model, prompt, kv_transfer_params=params)) == references[prompt]
     assert d.log_path.read_text(errors="replace").count("kvlink load ") == before + 1  # loaded, not recomputed
+    # D checked P's digests (verify_kv's default) over the aliased pages: SSM state and attention.
+    assert wait_metric(d.url, "vllm:kvlink_kv_verified_units_total", checked) > checked

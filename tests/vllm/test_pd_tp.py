@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 import pytest
+from vllm_client import metric, wait_metric
 
 from kvlink.connector.secret import new_secret
 from kvlink.integrations.vllm.launch import VllmServerSpec, kvlink_transfer_config, served_model
@@ -87,8 +88,10 @@ def test_heterogeneous_tp_equals_colocated(tp_pair: tuple[Service, Service], ref
     assert first.status_code == 200, first.text
     params = first.json()["kv_transfer_params"]
     assert params["tp_size"] == (2 if direction == "2->1" else 1)
+    checked = metric(d.url, "vllm:kvlink_kv_verified_units_total")
     answer = complete(d.url, model, prompt, kv_transfer_params=params)
     assert answer.status_code == 200, answer.text
     assert answer.json()["choices"][0]["text"] == references[prompt]
+    assert wait_metric(d.url, "vllm:kvlink_kv_verified_units_total", checked) > checked  # D checked P's digests
     log = d.log_path.read_text(errors="replace")
     assert "kvlink load " in log  # D loaded the KV (it did not recompute it)

@@ -39,6 +39,25 @@ def test_hybrid_p_computes_all_but_the_last_prompt_token_and_offers_n_minus_1() 
     assert params["prompt_hash"] == prompt_hash([5, 6, 7, 8])  # D checks against its full prompt
 
 
+def test_p_seals_the_tokens_it_computed_and_d_checks_the_same_ones() -> None:
+    """The digests' seeds chain over the shipped tokens: a hybrid P's save names its first N-1
+    prompt tokens (the full prompt but the last, not its shortened one's N-2), and D's load the
+    same N-1 of its own full prompt."""
+    p, r = side([MAMBA, ATTENTION]), request([5, 6, 7, 8], {"do_remote_decode": True})
+    p.on_new_request(r)
+    _, params = p.request_finished(r, [[3], [1]])
+    (save,) = p.build_step().saves
+    assert (save["token_ids"], save["num_tokens"]) == ([5, 6, 7], 3)
+    assert params is not None
+    d, wanted = side([MAMBA, ATTENTION]), request([5, 6, 7, 8], params)
+    d.on_new_request(wanted)
+    assert d.get_num_new_matched_tokens(wanted, 0) == (3, True)
+    blocks = SimpleNamespace(get_block_ids=lambda: ([7], [9]))
+    d.update_state_after_alloc(wanted, blocks, 3)
+    (load,) = d.build_step().loads
+    assert (load["token_ids"], load["num_tokens"]) == ([5, 6, 7], 3)
+
+
 def test_attention_only_p_and_plain_requests_are_untouched() -> None:
     r = request([5, 6, 7, 8], {"do_remote_decode": True})
     side([ATTENTION]).on_new_request(r)

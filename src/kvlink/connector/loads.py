@@ -31,8 +31,9 @@ class Load:
     push_descriptors: int = 0
     # staged read: the engine's staging pool and the plan request (slots to give back, runs to copy)
     staging: tuple[StagingPool, StagedRequest] | None = None
-    # pull with a notification agent: (READ, P agent, `done` message) still to send when it is done
-    dones: list[tuple[Transfer, str, bytes]] = field(default_factory=list)
+    # pull with a notification agent: (READ, P agent, `done` message) still to send when it is
+    # done; a checked push: (None, P agent, `done`), sent once the check is over
+    dones: list[tuple[Transfer | None, str, bytes]] = field(default_factory=list)
     # integrity check (verify_kv): the digests to compare before the request may run
     check: LoadCheck | None = None
     # push mode: D's own plan of what the sources write, for the check after `pushed`

@@ -148,9 +148,9 @@ class PullReader:
         its digests again)."""
         if load.check is not None and not load.check.done:
             return
-        still = []
+        still: list[tuple[Transfer | None, str, bytes]] = []
         for t, name, msg in load.dones:
-            if t.state == "DONE" or load.check is not None:
+            if t is None or t.state == "DONE" or load.check is not None:
                 self.worker.send(name, msg, engine)
             elif t.state == "PROC":
                 still.append((t, name, msg))
@@ -268,18 +268,29 @@ class PullReader:
         """The KV arrived but failed its check: the request must not run on it."""
         self.worker.fail_request(load.request_id, load.blocks, reason)
 
+    def will_check(self, engine: RemoteEngine, entry: dict[str, Any]) -> bool:
+        """Whether a push from `engine` will be checked: then its sources keep the blocks and
+        their digests until our `done` (an idle P would neither serve the digest READ nor keep
+        the digest rows of blocks it reused)."""
+        return self.verifier.applies(engine) and bool(entry.get("token_ids")) and engine.plan is not None
+
     def check_pushed(self, load: Load) -> None:
         """Push mode: every source wrote; read their digest slices, then judge the load."""
         engine = self.engines.get(load.entry["remote_engine_id"])
-        if engine is None or not self.verifier.applies(engine):
+        if engine is None or not self.will_check(engine, load.entry):
             complete_push(self.worker.book, self.worker.out, load, self.worker.clock())
             return
+        assert engine.plan is not None
+        load.dones = [(None, name, encode(Done(load.entry["remote_request_id"], engine.expected[rank]),
+                                          self.worker.secret))
+                      for rank, name in engine.notify_agents(engine.plan.mapping.source_ranks)]
         try:
             load.check = self.verifier.prepare(engine, load.entry, load.push_specs)
         except NoDigestSlots:
             load.check = None
         if load.check is None:
             complete_push(self.worker.book, self.worker.out, load, self.worker.clock())
+            self.send_dones(load, engine)
             return
         load.check.reread_at = self.worker.clock()
         self.recheck(self.worker.clock())

@@ -51,8 +51,10 @@ class PushWriter:
         self.held_blocks: dict[str, list[list[int]]] = {}
         self.jobs: list[_Job] = []
         self.writes: dict[int, tuple[str, int, _Job]] = {}
-        # D side: what runs once every source pushed (the worker's check of the load, if any)
+        # D side: what runs once every source pushed (the worker's check of the load, if any),
+        # and whether a load will be checked (then its sources wait for our `done` to free)
         self.on_all_pushed: Callable[[Load], None] = self.complete
+        self.will_check: Callable[[RemoteEngine, dict[str, Any]], bool] = lambda engine, entry: False
 
     # ---- D side -------------------------------------------------------------------------
     def request_push(self, engine: RemoteEngine, entry: dict[str, Any]) -> None:
@@ -72,6 +74,7 @@ class PushWriter:
         load.push_descriptors = sum(len(spec.local_idx) for spec in specs)
         load.push_specs = list(specs)
         load.deadline = now + w.config.stall_timeout_s + w.config.handshake_timeout_s
+        checked = self.will_check(engine, entry)
         for rank, name in engine.notify_agents(sources):
             info = {
                 "d_request_id": entry["request_id"], "d_engine_id": w.config.engine_id,
@@ -81,6 +84,8 @@ class PushWriter:
                 "num_tokens": entry["num_tokens"], "expected": engine.expected[rank],
                 # wall clock, as kv_expires_at_ms: past it D has given up and P must not write
                 "d_deadline_ms": int((time.time() + load.deadline - now) * 1000),
+                # D reads our digests after `pushed`: free on its `done`, not on the WRITE's end
+                "checked": checked,
             }
             try:
                 w.send_or_raise(name, encode(PushRequest(entry["remote_request_id"], info), w.secret), engine)
@@ -183,7 +188,8 @@ class PushWriter:
         h = reader.handles[d_rank]
         if not len(spec.local_idx):
             self.worker.send(h.agent_name, done)
-            self.worker.leases.notify(rid, expected, job.received)
+            if not info.get("checked"):
+                self.worker.leases.notify(rid, expected, job.received)
             return True
         try:
             t = self.agent.post("WRITE", h.local_handle, spec.remote_idx, h.remote_handle,
@@ -201,7 +207,8 @@ class PushWriter:
         entry = self.writes.pop(id(t), None)
         if entry is not None:
             self.worker.stats.record(transfer_record(entry[0], t))
-            self.worker.leases.notify(entry[0], entry[1], now)
+            if not entry[2].request.info.get("checked"):
+                self.worker.leases.notify(entry[0], entry[1], now)
 
     def on_transfer_failed(self, t: Transfer) -> None:
         entry = self.writes.pop(id(t), None)

@@ -139,8 +139,9 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
                                             kv_cache_config.transfer_group_ids)
             self._shorten_queue_spin()
             _vllm_log.info("kvlink connector (scheduler) for engine %s: %s mode, policy %s, lease %.0f s, "
-                           "stall deadline %.0f s", self.config.engine_id, self.config.transfer_mode,
-                           self.config.load_failure_policy, self.config.lease_s, self.config.stall_timeout_s)
+                           "stall deadline %.0f s, verify_kv %s", self.config.engine_id, self.config.transfer_mode,
+                           self.config.load_failure_policy, self.config.lease_s, self.config.stall_timeout_s,
+                           self.config.verify_kv)
         else:
             from vllm.distributed.parallel_state import (
                 get_tensor_model_parallel_rank,

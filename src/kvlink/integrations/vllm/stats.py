@@ -3,7 +3,7 @@ line (`reduce`) and Prometheus (`KvlinkPromMetrics`). The payload is plain data 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -13,19 +13,56 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-# Per-transfer series, and the kvlink counters forwarded as vLLM counters.
+# Per-transfer series.
 SERIES = ("xfer_s", "post_s", "bytes", "descriptors")
-COUNTERS = ("failed_transfers_total", "stalled_transfers_total", "failed_handshakes_total",
-            "failed_notifications_total", "expired_leases_total", "refused_peers_total",
-            "notify_only_total", "bad_notifications_total")
+# kvlink counters forwarded as vLLM counters (`vllm:kvlink_<name>`), with their help text.
+COUNTERS = {
+    "failed_transfers_total": "kvlink loads whose READ/WRITE failed (peer gone or refused).",
+    "stalled_transfers_total": "kvlink loads that made no progress before the stall deadline.",
+    "failed_handshakes_total": "kvlink side-channel handshakes that failed.",
+    "failed_notifications_total": "kvlink notifications to a peer that could not be sent.",
+    "expired_leases_total": "kvlink requests P freed at lease expiry, before every decoder had read them.",
+    "refused_peers_total": "kvlink peers refused at handshake (incompatible layout or model).",
+    "notify_only_total": "kvlink loads with nothing to read (D held every block): P only told to free.",
+    "bad_notifications_total": "kvlink notifications that could not be decoded.",
+    "kv_checksum_mismatch_total": "kvlink loads whose KV did not match P's digests (the load failed).",
+    "kv_verified_units_total": "kvlink KV units D hashed and found equal to P's digests.",
+    "kv_verified_bytes_total": "kvlink KV bytes D hashed to check them.",
+    "kv_digest_rereads_total": "kvlink digest slices D read again (P had not sealed them for this request yet).",
+    "kv_unsealed_loads_total": "kvlink loads whose digests never matched the request's tokens (the load failed).",
+    "kv_unverifiable_units_total": "kvlink KV units D received but could not check (not held whole).",
+}
+# Levels right now, per worker (`get_stats()["gauges"]`); TP ranks hold the same requests and
+# vLLM's (logical) block ids, so a step's value is the largest over its ranks.
+GAUGES = {
+    "pending_sends": "kvlink requests P holds for decoders right now (under lease).",
+    "pending_send_blocks": "kvlink KV blocks P holds for decoders right now.",
+    "loads_in_flight": "kvlink loads D has started and not finished.",
+}
+# Counters per remote engine (`get_stats()["engine_counters"]`), labelled `remote_engine`.
+ENGINE_COUNTERS = {
+    "handshakes_total": "kvlink side-channel handshakes, per remote engine.",
+    "failed_handshakes_by_engine_total": "kvlink failed side-channel handshakes, per remote engine.",
+}
 
 
 def empty_data() -> dict[str, Any]:
-    return {**{k: [] for k in SERIES}, "counters": {}}
+    return {**{k: [] for k in SERIES}, "counters": {}, "engine_counters": [], "gauges": {}}
 
 
-def from_worker_snapshot(snapshot: dict[str, Any], previous: dict[str, int]) -> dict[str, Any]:
-    """One worker's `get_stats()` (cumulative counters) → a delta payload; updates `previous`."""
+@dataclass
+class Forwarded:
+    """What one worker has forwarded so far: cumulative counters, and the gauge levels last sent."""
+
+    counters: dict[str, int] = field(default_factory=dict)
+    engine_counters: dict[tuple[str, str], int] = field(default_factory=dict)
+    gauges: dict[str, float] = field(default_factory=dict)
+
+
+def from_worker_snapshot(snapshot: dict[str, Any], sent: Forwarded) -> dict[str, Any]:
+    """One worker's `get_stats()` (cumulative counters, levels now) → a delta payload; updates
+    `sent`. Gauges go along while any is not 0 or one changed, so that the largest over TP
+    ranks is right in every step that carries them."""
     data = empty_data()
     for t in snapshot.get("transfers", []):
         data["xfer_s"].append(float(t["duration_s"]))
@@ -35,11 +72,27 @@ def from_worker_snapshot(snapshot: dict[str, Any], previous: dict[str, int]) -> 
     counters = snapshot.get("counters", {})
     for key in COUNTERS:
         now = int(counters.get(key, 0))
-        delta = now - previous.get(key, 0)
-        previous[key] = now
+        delta = now - sent.counters.get(key, 0)
+        sent.counters[key] = now
         if delta > 0:
             data["counters"][key] = delta
+    for name, engine, count in snapshot.get("engine_counters", []):
+        if name not in ENGINE_COUNTERS:
+            continue
+        key = (str(name), str(engine))
+        delta = int(count) - sent.engine_counters.get(key, 0)
+        sent.engine_counters[key] = int(count)
+        if delta > 0:
+            data["engine_counters"].append([key[0], key[1], delta])
+    levels = {key: float(snapshot.get("gauges", {}).get(key, 0.0)) for key in GAUGES}
+    if levels != sent.gauges or any(levels.values()):
+        data["gauges"] = levels
+        sent.gauges = levels
     return data
+
+
+def carries_anything(data: dict[str, Any]) -> bool:
+    return bool(data["xfer_s"] or data["counters"] or data["engine_counters"] or data["gauges"])
 
 
 @dataclass
@@ -52,16 +105,26 @@ class KvlinkStats(KVConnectorStats):
         self.data = empty_data()
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        if not other.is_empty():
-            for key in SERIES:
-                self.data[key] = list(self.data.get(key, [])) + list(other.data.get(key, []))
-            mine = self.data.setdefault("counters", {})
-            for key, value in other.data.get("counters", {}).items():
-                mine[key] = mine.get(key, 0) + value
+        """Sum series and counters (over TP ranks, or over the steps of a log interval); the
+        largest level of each gauge."""
+        for key in SERIES:
+            self.data[key] = list(self.data.get(key, [])) + list(other.data.get(key, []))
+        mine = self.data.setdefault("counters", {})
+        for key, value in other.data.get("counters", {}).items():
+            mine[key] = mine.get(key, 0) + value
+        per_engine: dict[tuple[str, str], int] = {}
+        for name, engine, n in [*self.data.get("engine_counters", []), *other.data.get("engine_counters", [])]:
+            per_engine[(name, engine)] = per_engine.get((name, engine), 0) + int(n)
+        self.data["engine_counters"] = [[name, engine, n] for (name, engine), n in per_engine.items()]
+        levels = self.data.setdefault("gauges", {})
+        for key, value in other.data.get("gauges", {}).items():
+            levels[key] = max(levels.get(key, value), value)
         return self
 
     def is_empty(self) -> bool:
-        return not self.data.get("xfer_s") and not any(self.data.get("counters", {}).values())
+        # Gauges alone (P holding leases) are no reason for the "KV Transfer metrics" line.
+        return (not self.data.get("xfer_s") and not any(self.data.get("counters", {}).values())
+                and not self.data.get("engine_counters"))
 
     def reduce(self) -> dict[str, int | float]:
         xfer = np.asarray(self.data.get("xfer_s", []), dtype=np.float64) * 1e3
@@ -82,11 +145,13 @@ class KvlinkStats(KVConnectorStats):
         out["Num failed transfers"] = int(counters.get("failed_transfers_total", 0))
         out["Num stalled transfers"] = int(counters.get("stalled_transfers_total", 0))
         out["Num expired leases"] = int(counters.get("expired_leases_total", 0))
+        out["Num KV checksum mismatches"] = int(counters.get("kv_checksum_mismatch_total", 0))
         return out
 
 
 class KvlinkPromMetrics(KVConnectorPromMetrics):
-    """`vllm:kvlink_*` histograms per transfer and counters for kvlink's failure counters."""
+    """`vllm:kvlink_*`: histograms per transfer, kvlink's counters (failures, integrity), its
+    gauges (what P holds for decoders), and handshakes per remote engine."""
 
     def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
@@ -107,9 +172,20 @@ class KvlinkPromMetrics(KVConnectorPromMetrics):
                                [10.0, 100.0, 1000.0, 10000.0, 100000.0, 1000000.0])
         self.counters = {
             key: create_metric_per_engine(
-                self._counter_cls(name=f"vllm:kvlink_{key}", documentation=f"kvlink {key.replace('_', ' ')}.",
-                                  labelnames=labelnames), per_engine_labelvalues)
-            for key in COUNTERS
+                self._counter_cls(name=f"vllm:kvlink_{key}", documentation=doc, labelnames=labelnames),
+                per_engine_labelvalues)
+            for key, doc in COUNTERS.items()
+        }
+        self.gauges = {
+            key: create_metric_per_engine(
+                self._gauge_cls(name=f"vllm:kvlink_{key}", documentation=doc, multiprocess_mode="mostrecent",
+                                labelnames=labelnames), per_engine_labelvalues)
+            for key, doc in GAUGES.items()
+        }
+        self.engine_counters = {
+            key: self._counter_cls(name=f"vllm:kvlink_{key}", documentation=doc,
+                                   labelnames=[*labelnames, "remote_engine"])
+            for key, doc in ENGINE_COUNTERS.items()
         }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
@@ -120,3 +196,10 @@ class KvlinkPromMetrics(KVConnectorPromMetrics):
         for key, value in transfer_stats_data.get("counters", {}).items():
             if key in self.counters and value > 0:
                 self.counters[key][engine_idx].inc(value)
+        for key, value in transfer_stats_data.get("gauges", {}).items():
+            if key in self.gauges:
+                self.gauges[key][engine_idx].set(value)
+        labels = self.per_engine_labelvalues[engine_idx]
+        for name, remote_engine, n in transfer_stats_data.get("engine_counters", []):
+            if name in self.engine_counters and n > 0:
+                self.engine_counters[name].labels(*labels, str(remote_engine)).inc(n)

@@ -66,7 +66,8 @@ class WorkerMetrics:
             state = self._state()
         lines = [text.rstrip("\n")]
         for key, value in sorted(state.items()):
-            if isinstance(value, int):
+            # One family per name: the exporter already renders the worker's own gauges.
+            if isinstance(value, int) and key not in self.exporter.gauges:
                 lines += [f"# TYPE kvlink_{key} gauge", f"kvlink_{key}{{{self._labels}}} {value}"]
         return "\n".join(lines) + "\n"
 

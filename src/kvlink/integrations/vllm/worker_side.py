@@ -20,7 +20,7 @@ from kvlink.integrations.vllm.layout import (
     order_layers,
     page_order_for,
 )
-from kvlink.integrations.vllm.stats import from_worker_snapshot
+from kvlink.integrations.vllm.stats import Forwarded, carries_anything, from_worker_snapshot
 from kvlink.integrations.vllm.worker_metrics import WorkerMetrics
 from kvlink.layout.spec import ModelSpec
 from kvlink.transfer.agent_config import AgentConfig
@@ -43,7 +43,7 @@ class WorkerSide:
         self.block_size, self.dtype, self.isa = block_size, dtype, isa
         self.core: NixlWorker | None = None
         self._last_progress = 0.0
-        self._counters: dict[str, int] = {}
+        self._forwarded = Forwarded()
         self._metrics_port = metrics_port
         self._agent_config = agent_config
         self._groups = groups  # hybrid: vLLM's groups, whose layers alias one allocation
@@ -122,10 +122,8 @@ class WorkerSide:
         snapshot = self.core.get_stats()
         if self.metrics is not None:
             self.metrics.update(snapshot)
-        data = from_worker_snapshot(snapshot, self._counters)
-        if not data["xfer_s"] and not data["counters"]:
-            return None
-        return data
+        data = from_worker_snapshot(snapshot, self._forwarded)
+        return data if carries_anything(data) else None
 
     def debug_state(self) -> dict[str, Any]:
         return self.core.debug_state() if self.core is not None else {}
