@@ -4,7 +4,9 @@ The fake follows the engine contract (add_request / abort / step / has_unfinishe
 stats, one thread) and generates "abcd..." so outputs are predictable. Prompts
 steer it: "hang" never produces a token, "fail" finishes with an error ("fail:KIND"
 with the engine's error_kind KIND, "late-fail" after two tokens), "crash" makes
-step() raise. The real engine is exercised by test_real_server.py.
+step() raise. A request with `kv_transfer_params` reports 4096 KV bytes loaded, and with
+`do_remote_prefill` 1024 of them checked (as D does under verify_kv). The real engine is
+exercised by test_real_server.py.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class FakeOutput:
     error: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     kv_bytes: int | None = None
+    kv_verified_bytes: int | None = None
     error_kind: str | None = None
 
 
@@ -101,6 +104,8 @@ class FakeEngine:
             token = ord("a") + req.produced % 26
             req.produced += 1
             out = FakeOutput(request_id, [token], kv_bytes=4096 if req.params else None)
+            if req.params and req.params.get("do_remote_prefill") and req.produced == 1:
+                out.kv_verified_bytes = 1024  # D checked a sample of what it loaded
             remote_decode = bool(req.params and req.params.get("do_remote_decode"))
             if req.produced >= req.sampling.max_tokens or remote_decode:
                 out.finished, out.finish_reason = True, "length"

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import tracemalloc
 
 from kvlink.cli.ranges import ranged
+from kvlink.connector.config import ConnectorConfig
 from kvlink.layout.limits import (
     BLOCK_SIZE,
     MAX_PORT,
@@ -20,6 +22,7 @@ from kvlink.layout.limits import (
     THREADS,
     TOKENS,
     TP,
+    Bound,
 )
 from kvlink.layout.presets import SMOLLM2_135M, TINY_HYBRID
 from kvlink.layout.spec import ModelSpec
@@ -28,6 +31,12 @@ from kvlink.serve.factory import MODEL_NAMES
 
 # The KV geometry each served model allocates (the engine builds its caches from these).
 SERVED_SPECS: dict[str, ModelSpec] = {"smollm2-135m": SMOLLM2_135M, "tiny-hybrid": TINY_HYBRID}
+# The connector's own defaults and ranges, so the command line refuses what the config would.
+VERIFY_DEFAULT = ConnectorConfig.verify_kv
+SAMPLE_UNITS_DEFAULT = ConnectorConfig.verify_sample_units
+SAMPLE_UNITS: Bound = next(f.metadata["bound"] for f in dataclasses.fields(ConnectorConfig)
+                           if f.name == "verify_sample_units")
+VERIFY_MODES = ("off", "sample", "full")  # what ConnectorConfig.verify_kv takes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,6 +78,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run NIXL's progress thread (sleeps up to 1 ms between polls), so a "
                              "peer's READs of this instance's KV progress while a forward pass "
                              "runs (default: on; without it KV moves wait for the engine loop)")
+    parser.add_argument("--verify-kv", choices=VERIFY_MODES, default=VERIFY_DEFAULT,
+                        help="P and D roles: end-to-end KV checksums. P seals what it ships unless "
+                             "off; D checks what it read before the request runs: every unit "
+                             "(full), --verify-sample-units of them per P rank (sample), or none "
+                             f"(off). A mismatch fails the load (default: {VERIFY_DEFAULT})")
+    parser.add_argument("--verify-sample-units", type=ranged(SAMPLE_UNITS), default=SAMPLE_UNITS_DEFAULT,
+                        help=f"D with --verify-kv sample: units checked per P rank and load, "
+                             f"{SAMPLE_UNITS.describe()} (default: {SAMPLE_UNITS_DEFAULT})")
     parser.add_argument("--secret-file", default=None, metavar="PATH",
                         help="P and D roles: file holding the deployment's shared secret (default: "
                              "$KVLINK_SECRET); P signs kv_transfer_params with it, D refuses any "

@@ -60,6 +60,8 @@ def complete_push(book: LoadBook, out: WorkerOutput, load: Load, now: float) -> 
         "kv_transfer_s": now - load.started,
         "kv_descriptors": float(load.push_descriptors),
     }
+    if load.check is not None:  # as a pulled load reports it
+        out.transfer_figures[load.request_id]["kv_verified_bytes"] = float(load.check.hashed_bytes)
 
 
 def transfer_record(request_id: str, t: Transfer) -> TransferRecord:

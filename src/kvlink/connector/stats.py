@@ -37,6 +37,16 @@ class ConnectorStats:
             "unauthenticated_notifications_total": 0,
             "rejected_handshakes_total": 0,
             "unauthenticated_handshakes_total": 0,
+            # KV integrity (kvlink.connector.verifier, sealer): at 0 from the start, so an alert
+            # on their increase sees the first mismatch.
+            "kv_checksum_mismatch_total": 0,
+            "kv_unsealed_loads_total": 0,
+            "kv_verified_units_total": 0,
+            "kv_verified_bytes_total": 0,
+            "kv_sealed_bytes_total": 0,
+            "kv_unverifiable_units_total": 0,
+            "kv_digest_rereads_total": 0,
+            "kv_verify_us_total": 0,
         }
     )
 

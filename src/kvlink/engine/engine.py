@@ -257,4 +257,6 @@ class LLMEngine:
         if figures is not None:
             output.kv_bytes = int(figures.get("kv_bytes", 0))
             output.kv_transfer_s = figures.get("kv_transfer_s")
+            if "kv_verified_bytes" in figures:
+                output.kv_verified_bytes = int(figures["kv_verified_bytes"])
         return output

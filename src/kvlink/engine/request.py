@@ -51,6 +51,7 @@ class RequestOutput:
     # Set on the first output after this request's KV was loaded from a remote engine.
     kv_bytes: int | None = None
     kv_transfer_s: float | None = None
+    kv_verified_bytes: int | None = None  # of those bytes, what D hashed and checked (verify_kv)
     # With `error`: "bad_kv_transfer_params" (the request's params cannot work),
     # "forbidden_kv_transfer_params" (they no longer grant access to P's blocks), "kv_load_stalled"
     # (no progress before the stall deadline) or "kv_load_failed" (P unreachable or broke off).

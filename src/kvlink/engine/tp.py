@@ -131,6 +131,26 @@ class _Merge:
         return out
 
 
+def merge_stats(snaps: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The ranks' `get_stats()` as one engine's: counters (also per remote engine) add up,
+    transfers are all listed, and a gauge is the highest rank's level (every rank holds the
+    same requests for D, so a sum would count each one per rank)."""
+    counters: dict[str, int] = {}
+    by_engine: dict[tuple[str, str], int] = {}
+    gauges: dict[str, float] = {}
+    transfers: list[Any] = []
+    for snap in snaps:
+        for name, value in snap.get("counters", {}).items():
+            counters[name] = counters.get(name, 0) + value
+        for name, engine, value in snap.get("engine_counters", []):
+            by_engine[(name, engine)] = by_engine.get((name, engine), 0) + value
+        for name, level in snap.get("gauges", {}).items():
+            gauges[name] = max(gauges.get(name, level), level)
+        transfers += snap.get("transfers", [])
+    return {"counters": counters, "transfers": transfers, "gauges": gauges,
+            "engine_counters": [[name, engine, n] for (name, engine), n in sorted(by_engine.items())]}
+
+
 class TPConnectorWorker(ConnectorWorker):
     """Rank 0's connector worker: its own rank's worker plus every follower's, merged."""
 
@@ -155,13 +175,7 @@ class TPConnectorWorker(ConnectorWorker):
 
     def get_stats(self) -> dict[str, Any]:
         _broadcast(("get_stats",))
-        snaps = _gather(self.local.get_stats()) or []
-        merged: dict[str, Any] = {"counters": {}, "transfers": []}
-        for snap in snaps:
-            for name, value in snap.get("counters", {}).items():
-                merged["counters"][name] = merged["counters"].get(name, 0) + value
-            merged["transfers"] += snap.get("transfers", [])
-        return merged
+        return merge_stats(_gather(self.local.get_stats()) or [])
 
     def debug_state(self) -> dict[str, Any]:
         """Rank 0's worker state (followers mirror its requests)."""

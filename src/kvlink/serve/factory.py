@@ -57,6 +57,8 @@ def _connector_config(args: argparse.Namespace) -> Any:
         transfer_mode=args.transfer_mode, secret=secret, insecure_unsigned_params=insecure,
         stall_timeout_s=getattr(args, "stall_timeout_s", 10.0),
         quarantine_s=getattr(args, "quarantine_s", 60.0),
+        verify_kv=getattr(args, "verify_kv", ConnectorConfig.verify_kv),
+        verify_sample_units=getattr(args, "verify_sample_units", ConnectorConfig.verify_sample_units),
         incarnation=uuid.uuid4().hex[:8],  # this start of the engine; see ConnectorConfig
     )
 
@@ -139,9 +141,13 @@ def build_engine(args: argparse.Namespace, progress: Progress = print) -> Served
     def debug_state() -> dict[str, Any]:
         return local_worker.debug_state() if local_worker is not None else {}
 
-    if local_worker is not None:
+    if worker is not None and local_worker is not None and config is not None:
+        # /metrics shows the connector's figures (at 0) before the first request, so an alert on
+        # a counter's increase sees its first one.
+        exporter.update(worker.get_stats())
         progress(f"connector {config.engine_id}: KV side channel on "
-                 f"{args.host}:{local_worker.side_channel_port}, transfer mode {config.transfer_mode}")
+                 f"{args.host}:{local_worker.side_channel_port}, transfer mode {config.transfer_mode}, "
+                 f"verify_kv {config.verify_kv}")
     progress(f"model {args.model} ready in {time.monotonic() - started:.1f}s "
              f"(tp={tp}, max_model_len={max_model_len})")
     return ServedEngine(engine, tokenizer, args.model, max_model_len,

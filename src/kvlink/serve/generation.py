@@ -50,14 +50,18 @@ class Summary:
     total_s: float = 0.0
     kv_bytes: int | None = None
     kv_transfer_s: float | None = None
+    kv_verified_bytes: int | None = None  # of kv_bytes, what D checked against P's digests
 
     def figures(self) -> dict[str, Any] | None:
         """The non-standard `kvlink` object of the final answer: where the time to first token
         went on this instance. Only when KV was loaded from a remote engine."""
         if self.kv_bytes is None:
             return None
-        return {"kv_bytes": self.kv_bytes, "kv_transfer_s": self.kv_transfer_s,
-                "ttft_s": self.ttft_s, "role": self.role}
+        figures: dict[str, Any] = {"kv_bytes": self.kv_bytes, "kv_transfer_s": self.kv_transfer_s,
+                                   "ttft_s": self.ttft_s, "role": self.role}
+        if self.kv_verified_bytes is not None:
+            figures["kv_verified_bytes"] = self.kv_verified_bytes
+        return figures
 
     def log_line(self) -> str:
         ttft = "-" if self.ttft_s is None else f"{self.ttft_s * 1e3:.1f}ms"
@@ -70,6 +74,8 @@ class Summary:
             line += f" kv_bytes={self.kv_bytes}"
         if self.kv_transfer_s is not None:
             line += f" kv_transfer={self.kv_transfer_s * 1e3:.1f}ms"
+        if self.kv_verified_bytes is not None:
+            line += f" kv_verified_bytes={self.kv_verified_bytes}"
         return line
 
 
@@ -85,6 +91,9 @@ def _transfer_figures(output: Any, summary: Summary) -> None:
         if value is not None:
             summary.kv_transfer_s = float(value)
             break
+    verified = getattr(output, "kv_verified_bytes", None)
+    if verified is not None:
+        summary.kv_verified_bytes = int(verified)
 
 
 async def generate_pieces(
