@@ -286,8 +286,10 @@ class PullReader:
                       for rank, name in engine.notify_agents(engine.plan.mapping.source_ranks)]
         try:
             load.check = self.verifier.prepare(engine, load.entry, load.push_specs)
-        except NoDigestSlots:
-            load.check = None
+        except NoDigestSlots:  # never unchecked when a check was promised: fail, P frees
+            self.send_dones(load, engine)
+            self.rejected(load, "no free KV digest slots to check the pushed KV")
+            return
         if load.check is None:
             complete_push(self.worker.book, self.worker.out, load, self.worker.clock())
             self.send_dones(load, engine)
