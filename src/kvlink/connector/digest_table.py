@@ -105,10 +105,11 @@ class DigestSlots:
         """The slices that landed, one per (group, slot) pair, padded to one width."""
         width = 1 + max(self.layout.group_units, default=0)
         out = np.zeros((len(slots), width), dtype=np.uint64)
-        for i, (group, slot) in enumerate(zip(groups.tolist(), slots, strict=True)):
-            start = self.layout.group_offsets[group]
-            n = 1 + self.layout.group_units[group]
-            out[i, :n] = self.rows[slot, start:start + n]
+        rows = np.asarray(slots, dtype=np.int64)
+        for group in np.unique(groups).tolist():
+            mine = np.flatnonzero(groups == group)
+            start, n = self.layout.group_offsets[group], 1 + self.layout.group_units[group]
+            out[mine, :n] = self.rows[rows[mine], start:start + n]
         return out
 
 

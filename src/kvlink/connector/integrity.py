@@ -110,18 +110,16 @@ def check(spec: VerifySpec, slices: npt.NDArray[np.uint64], seeds: Sequence[int]
     """Compare the digest slices read from P (`slices[i]`: slice i of `spec`, entry 0 the seed)
     with digests of our own copies of the units."""
     result = CheckResult()
-    expected_seed = [seeds[int(i)] for i in spec.slice_index]
-    bad_slice = set()
-    for i, seed in enumerate(expected_seed):
-        if int(slices[i, 0]) != seed:
-            bad_slice.add(i)
-            result.unsealed.append((int(spec.slice_group[i]), int(spec.slice_index[i])))
+    expected_seed = np.asarray(seeds, dtype=np.uint64)[spec.slice_index]
+    unsealed = np.flatnonzero(slices[:, 0] != expected_seed)
+    bad_slice = set(unsealed.tolist())
+    result.unsealed = [(int(spec.slice_group[i]), int(spec.slice_index[i])) for i in unsealed]
     for k in range(spec.units):
         s = int(spec.unit_slice[k])
         if s in bad_slice:
             continue
         span = slice(int(spec.piece_starts[k]), int(spec.piece_starts[k + 1]))
-        got = digest_of(memory, spec.piece_addr[span], spec.piece_len[span], expected_seed[s])
+        got = digest_of(memory, spec.piece_addr[span], spec.piece_len[span], int(expected_seed[s]))
         result.units += 1
         result.hashed_bytes += int(spec.piece_len[span].sum())
         want = int(slices[s, int(spec.unit_slot[k])])

@@ -236,18 +236,29 @@ def _pick(found: list[_Found], rng: np.random.Generator, count: int) -> list[_He
 
 def _spec(src_rank: int, dg: DigestGeometry, blocks: list[_Eligible], held: list[_Held], num_tokens: int,
           unverifiable: int) -> VerifySpec:
-    slice_of: dict[tuple[int, int], int] = {}
-    rows: list[tuple[int, int, int]] = []
+    groups, seeds, ids = [], [], []
+    first_slice: dict[int, tuple[int, _Eligible]] = {}
+    at = 0
     for block in blocks:
-        for index in block.indices.tolist():
-            slice_of[(block.group, index)] = len(rows)
-            rows.append((block.group, seed_index(dg.geometry, block.group, index, num_tokens),
-                         int(block.ids[index])))
-    cols = np.array(rows, dtype=np.int64).reshape(-1, 3)
+        first_slice[block.group] = (at, block)
+        groups.append(np.full(block.indices.size, block.group, dtype=np.int64))
+        pages = dg.groups[block.group]
+        seeds.append(np.full(block.indices.size, seed_index(dg.geometry, block.group, 0, num_tokens), np.int64)
+                     if pages is not None and pages.ssm else block.indices)
+        ids.append(block.ids[block.indices])
+        at += block.indices.size
+
+    def slice_of(h: _Held) -> int:
+        start, block = first_slice[h.group]
+        return start + int(np.searchsorted(block.indices, h.index))
+
+    def joined(parts: list[IntArray]) -> IntArray:
+        return np.concatenate(parts).astype(np.int64) if parts else _EMPTY
+
     counts = np.array([len(h.pieces) for h in held], dtype=np.int64)
     return VerifySpec(
-        src_rank, dg.layout, cols[:, 0], cols[:, 1], cols[:, 2],
-        np.array([slice_of[(h.group, h.index)] for h in held], dtype=np.int64),
+        src_rank, dg.layout, joined(groups), joined(seeds), joined(ids),
+        np.array([slice_of(h) for h in held], dtype=np.int64),
         np.array([1 + h.unit for h in held], dtype=np.int64),
         np.concatenate(([0], np.cumsum(counts))).astype(np.int64),
         np.array([a for h in held for a, _ in h.pieces], dtype=np.int64),
