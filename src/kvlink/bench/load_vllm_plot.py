@@ -1,0 +1,55 @@
+"""The memory curve of `kvlink bench load --engine vllm`: RSS of every process, the kill and restart marked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvlink.bench.memory_series import Sample
+
+if TYPE_CHECKING:
+    from kvlink.bench.load_vllm_run import Events
+
+PARTS = ("api", "engine", "worker")
+
+
+def plot(samples: list[Sample], events: Events, load_started: float, path: Path, title: str) -> None:
+    """Top: RSS per process (one colour per server, one line style per part). Bottom: the sum
+    over all processes and the requests finished. Times in minutes since the load began;
+    `load_started` and the events are on the monotonic clock, the samples since the sampler began
+    (it began at `load_started`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    minutes = [s.t_s / 60 for s in samples]
+    names = list(samples[0].rss_kib) if samples else []
+    servers = sorted({n.split(" ")[0] for n in names if " " in n})
+    colours = {server: f"C{k}" for k, server in enumerate(servers)}
+    styles = dict(zip(PARTS, ("-", "--", ":"), strict=True))
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 8), sharex=True, height_ratios=(3, 1))
+    for name in names:
+        server, _, part = name.partition(" ")
+        top.plot(minutes, [s.rss_kib.get(name, 0) / 1024 for s in samples], label=name,
+                 color=colours.get(server, "black"), linestyle=styles.get(part, "-."))
+    top.set_ylabel("RSS MiB")
+    top.set_title(title)
+    top.legend(ncol=4, fontsize=7, loc="center left")
+    bottom.plot(minutes, [sum(s.rss_kib.values()) / 2 ** 20 for s in samples], color="black", label="sum, GiB")
+    bottom.set_ylabel("RSS GiB, sum")
+    requests = bottom.twinx()
+    requests.plot(minutes, [s.requests for s in samples], color="grey", linestyle="--")
+    requests.set_ylabel("requests finished", color="grey")
+    bottom.set_xlabel("minutes since the load began")
+    for t, label in ((events.kill_t, "P killed"), (events.ready_t, "P restarted"),
+                     (events.back_t, "P back in vllm-router")):
+        if t is None:
+            continue
+        for axis in (top, bottom):
+            axis.axvline((t - load_started) / 60, color="red", linewidth=0.8, linestyle="--")
+        top.annotate(label, ((t - load_started) / 60, top.get_ylim()[1]), rotation=90, va="top", ha="right",
+                     fontsize=7, color="red")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
