@@ -53,7 +53,7 @@ def test_engine_options() -> None:
     args = parse_args(["bench", "load"])
     assert (args.router, args.requests, args.concurrency, args.memory_interval_s) == ("kvlink", 500, 8, 5.0)
     for argv in (["--engine", "vllm", "--router", "kvlink"], ["--engine", "vllm", "--soak-minutes", "1"],
-                 ["--no-kill"]):
+                 ["--no-kill"], ["--verify-kv", "off"]):
         with pytest.raises(SystemExit):
             parse_args(["bench", "load", *argv])
 

@@ -46,7 +46,7 @@ BUSY = ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting")
 # kvlink counters worth reporting from each worker endpoint.
 COUNTERS = ("transfers_total", "failed_transfers_total", "stalled_transfers_total", "expired_leases_total",
             "failed_handshakes_total", "kv_verified_units_total", "kv_checksum_mismatch_total",
-            "kv_unsealed_loads_total")
+            "kv_unsealed_loads_total", "kv_digest_rereads_total", "kv_unverifiable_units_total")
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,7 @@ class FleetConfig:
     max_model_len: int = 2048
     ready_timeout_s: float = 600.0
     health_check_interval_s: int = 1
+    verify_kv: str | None = None  # off | sample | full; None: the connector's default (sample)
 
 
 @dataclass
@@ -117,8 +118,9 @@ class Fleet:
 
     # ---- processes ----------------------------------------------------------------------
     def kv_config(self, inst: Instance) -> dict[str, Any]:
+        extra: dict[str, Any] = {} if self.config.verify_kv is None else {"verify_kv": self.config.verify_kv}
         config = kvlink_transfer_config(inst.side_channel_port, lease_s=self.config.lease_s,
-                                        metrics_port=inst.metrics_port)
+                                        metrics_port=inst.metrics_port, **extra)
         if inst.role == "decode":
             config["kv_load_failure_policy"] = "recompute"
         return config

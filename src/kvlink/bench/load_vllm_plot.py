@@ -42,13 +42,14 @@ def plot(samples: list[Sample], events: Events, load_started: float, path: Path,
     requests.plot(minutes, [s.requests for s in samples], color="grey", linestyle="--")
     requests.set_ylabel("requests finished", color="grey")
     bottom.set_xlabel("minutes since the load began")
-    for t, label in ((events.kill_t, "P killed"), (events.ready_t, "P restarted"),
-                     (events.back_t, "P back in vllm-router")):
+    # Ready and back are a second or two apart: their labels go on either side of the lines.
+    for t, label, side in ((events.kill_t, "P killed", "right"), (events.ready_t, "P restarted", "right"),
+                           (events.back_t, "P back in vllm-router", "left")):
         if t is None:
             continue
         for axis in (top, bottom):
             axis.axvline((t - load_started) / 60, color="red", linewidth=0.8, linestyle="--")
-        top.annotate(label, ((t - load_started) / 60, top.get_ylim()[1]), rotation=90, va="top", ha="right",
+        top.annotate(label, ((t - load_started) / 60, top.get_ylim()[1]), rotation=90, va="top", ha=side,
                      fontsize=7, color="red")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -22,9 +22,12 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from kvlink.bench import memory_series
 from kvlink.bench.load import Outcome, Planned, percentile, plan_requests, run_load
@@ -99,24 +102,33 @@ def start_all(fleet: Fleet, planned: list[Planned], concurrency: int, progress: 
     return texts
 
 
-def fault(fleet: Fleet, name: str, events: Events, sampler: memory_series.MemorySampler,
-          progress: Progress) -> None:
+class FleetSampler(memory_series.MemorySampler):
+    """Samples the fleet's processes as they are now: a killed server's read 0, a restarted
+    one's are picked up as it starts them."""
+
+    def __init__(self, fleet: Fleet, requests: Callable[[], int], interval_s: float) -> None:
+        super().__init__(fleet.pids(), {}, requests, interval_s)
+        self.fleet = fleet
+
+    def sample(self, client: httpx.Client) -> memory_series.Sample:
+        # Values only, never keys: the series keep one name per process role.
+        for key, pid in self.fleet.pids().items():
+            if key in self.pids:
+                self.pids[key] = pid
+        return super().sample(client)
+
+
+def fault(fleet: Fleet, name: str, events: Events, progress: Progress) -> None:
     """Kill `name`, wait for vllm-router to take it out, start it again, wait until it is back."""
     try:
         inst = fleet.instance(name)
         events.kill_t = time.monotonic()
         events.killed_pid = fleet.kill(name)
-        for key in sampler.pids:  # keys stay (the sampler iterates them); a dead PID reads 0
-            if key.startswith(name + " "):
-                sampler.pids[key] = -1
         progress(f"  killed {name} (SIGKILL, PID {events.killed_pid})")
         events.out_t = fleet.wait_health(lambda h: not h[inst.url], 60, f"vllm-router taking {name} out")
         progress(f"  vllm-router took {name} out {events.out_t - events.kill_t:.1f}s after the kill; restarting")
-        svc = fleet.launch(inst)
-        sampler.pids[f"{name} api"] = svc.proc.pid
-        fleet.wait([svc])
+        fleet.wait([fleet.launch(inst)])
         events.ready_t = time.monotonic()
-        sampler.pids.update({k: v for k, v in fleet.pids().items() if k in sampler.pids})
         events.back_t = fleet.wait_health(lambda h: h[inst.url], 60, f"vllm-router taking {name} back")
         progress(f"  {name} back in vllm-router {events.back_t - events.kill_t:.1f}s after the kill")
     except Exception as error:  # reported in the summary; the load goes on
@@ -174,13 +186,13 @@ def _run(fleet: Fleet, plan: LoadPlan, main: list[Planned], last: list[Planned],
          progress: Progress, memory_json: Path | None, memory_plot: Path | None) -> dict[str, Any]:
     ends: dict[int, float] = {}
     events = Events()
-    sampler = memory_series.MemorySampler(fleet.pids(), {}, lambda: len(ends), plan.memory_interval_s)
+    sampler = FleetSampler(fleet, lambda: len(ends), plan.memory_interval_s)
     kill_after = len(main) // 2
 
     def on_outcome(o: Outcome) -> None:
         ends[o.index] = time.monotonic()
         if plan.kill and len(ends) == kill_after:
-            threading.Thread(target=fault, args=(fleet, plan.kill, events, sampler, progress), daemon=True).start()
+            threading.Thread(target=fault, args=(fleet, plan.kill, events, progress), daemon=True).start()
 
     assert fleet.router is not None
     router: Service = fleet.router
@@ -189,7 +201,7 @@ def _run(fleet: Fleet, plan: LoadPlan, main: list[Planned], last: list[Planned],
     try:
         result = asyncio.run(run_load(router.url, main, plan.concurrency, plan.time_limit_s, REQUEST_TIMEOUT_S,
                                       progress=progress, report_every=max(10, len(main) // 10), on_outcome=on_outcome))
-        outcomes, timed_out = list(result.outcomes), result.timed_out
+        outcomes, timed_out, main_wall_s = list(result.outcomes), result.timed_out, result.wall_s
         if plan.kill:
             if not events.done.wait(fleet.config.ready_timeout_s + 180):
                 events.error = events.error or "the restart did not finish"
@@ -209,8 +221,10 @@ def _run(fleet: Fleet, plan: LoadPlan, main: list[Planned], last: list[Planned],
     for kind in ("ok", "cancelled", "cancelled_late", "error"):
         summary[kind] = sum(o.kind == kind for o in outcomes)
     ttfts = sorted(o.ttft_s for o in outcomes if o.kind == "ok" and o.ttft_s is not None)
+    completed_main = sum(o.kind in ("ok", "cancelled_late") for o in outcomes[:len(main)])
     summary.update({"ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
-                    "completed_per_s": (summary["ok"] + summary["cancelled_late"]) / wall_s})
+                    "main_wall_s": main_wall_s, "main_completed_per_s": completed_main / main_wall_s,
+                    "verify_kv": fleet.config.verify_kv or "sample (default)"})
     summary.update(check(outcomes, ends, reference, events, fleet.config.health_check_interval_s))
     summary["idle_after_s"], summary["held_after"] = idle_s, still_held
     summary["counters"] = {i.name: fleet.counters(i) for i in fleet.instances}

@@ -59,6 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-dir", type=Path, default=None,
                         help="vllm engine: HF model dir (default: SmolLM2-135M from `kvlink vllm-models`)")
     parser.add_argument("--no-kill", action="store_true", help="vllm engine: no P killed")
+    parser.add_argument("--verify-kv", choices=("off", "sample", "full"), default=None,
+                        help="vllm engine: the connector's KV integrity checks (default: its own, sample)")
     parser.add_argument("--router", choices=ROUTER_CHOICES, default=None,
                         help="kvlink's proxy, vllm-router, or both in turn on the same instances "
                              "(default kvlink; the vllm engine runs behind vllm-router)")
@@ -99,8 +101,8 @@ def check_args(args: argparse.Namespace) -> None:
         if args.soak_minutes:
             raise ValueError("--soak-minutes soaks `kvlink serve` instances: leave it out with --engine vllm")
         args.router = "vllm-router"
-    elif args.model_dir is not None or args.no_kill:
-        raise ValueError("--model-dir and --no-kill are for --engine vllm")
+    elif args.model_dir is not None or args.no_kill or args.verify_kv is not None:
+        raise ValueError("--model-dir, --no-kill and --verify-kv are for --engine vllm")
     requests, concurrency = DEFAULTS[args.engine]
     args.router = args.router or "kvlink"
     args.requests = args.requests or requests
@@ -283,7 +285,7 @@ def _run_vllm(args: argparse.Namespace) -> int:
                     max_prompt_words=args.max_prompt_words, seed=args.seed,
                     kill=None if args.no_kill else "prefill0", time_limit_s=args.time_limit_s,
                     memory_interval_s=args.memory_interval_s)
-    summary = run_fleet_bench(FleetConfig(model_dir=model_dir, log_dir=log_dir), plan,
+    summary = run_fleet_bench(FleetConfig(model_dir=model_dir, log_dir=log_dir, verify_kv=args.verify_kv), plan,
                               memory_json=args.memory_json, memory_plot=args.memory_plot)
     summary = {"mode": "load", "engine": "vllm", "model_dir": model_dir.name, **summary}
     if args.json:
