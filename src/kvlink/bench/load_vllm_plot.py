@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -11,6 +13,18 @@ if TYPE_CHECKING:
     from kvlink.bench.load_vllm_run import Events
 
 PARTS = ("api", "engine", "worker")
+
+
+def machine() -> str:
+    """Date, cores, CPU model, memory and whether the CPU has AMX tiles, for the figure's title."""
+    info = Path("/proc/cpuinfo").read_text(errors="replace") if Path("/proc/cpuinfo").exists() else ""
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+                 "unknown CPU")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    mem = next((int(line.split()[1]) / 2 ** 20 for line in Path("/proc/meminfo").read_text().splitlines()
+                if line.startswith("MemTotal:")), 0.0)
+    return (f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, {len(os.sched_getaffinity(0))} cores "
+            f"({model}, AMX {'yes' if 'amx_tile' in flags else 'no'}), {mem:.0f} GiB")
 
 
 def plot(samples: list[Sample], events: Events, load_started: float, path: Path, title: str) -> None:
@@ -34,7 +48,7 @@ def plot(samples: list[Sample], events: Events, load_started: float, path: Path,
         top.plot(minutes, [s.rss_kib.get(name, 0) / 1024 for s in samples], label=name,
                  color=colours.get(server, "black"), linestyle=styles.get(part, "-."))
     top.set_ylabel("RSS MiB")
-    top.set_title(title)
+    top.set_title(f"{title}\n{machine()}", fontsize=10)
     top.legend(ncol=4, fontsize=7, loc="center left")
     bottom.plot(minutes, [sum(s.rss_kib.values()) / 2 ** 20 for s in samples], color="black", label="sum, GiB")
     bottom.set_ylabel("RSS GiB, sum")

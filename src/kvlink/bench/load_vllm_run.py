@@ -230,6 +230,7 @@ def _run(fleet: Fleet, plan: LoadPlan, main: list[Planned], last: list[Planned],
     summary["counters"] = {i.name: fleet.counters(i) for i in fleet.instances}
     if plan.kill:
         summary["fault"] = _fault_figures(events, plan.kill)
+        summary["fault"]["killed_at_s"] = None if events.kill_t is None else events.kill_t - load_started
         summary["fault"]["restarted_served"] = (summary["counters"][plan.kill]["vllm_requests_finished"]
                                                 - served_before)
     summary["memory"] = memory_figures(sampler.samples)
@@ -239,7 +240,9 @@ def _run(fleet: Fleet, plan: LoadPlan, main: list[Planned], last: list[Planned],
         from kvlink.bench.load_vllm_plot import plot
 
         plot(sampler.samples, events, load_started, memory_plot,
-             f"kvlink bench load --engine vllm: {len(outcomes)} requests, 2 P + 2 D behind vllm-router")
+             f"kvlink bench load --engine vllm --requests {plan.requests} --concurrency {plan.concurrency}"
+             f"{'' if fleet.config.verify_kv is None else ' --verify-kv ' + fleet.config.verify_kv}: "
+             f"{len(fleet.roles('prefill'))} P + {len(fleet.roles('decode'))} D behind vllm-router")
     summary["passed"] = passed(summary, plan)
     return summary
 
