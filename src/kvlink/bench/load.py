@@ -38,6 +38,7 @@ class Outcome:
     total_s: float = 0.0
     output_chunks: int = 0
     error: str | None = None
+    text: str = ""  # what the stream carried, for checks against a reference
 
 
 def plan_requests(n: int, seed: int, cancel_fraction: float, max_prompt_words: int = 300,
@@ -73,7 +74,9 @@ async def _one(client: httpx.AsyncClient, url: str, req: Planned, timeout_s: flo
                 if "error" in event:
                     outcome.kind, outcome.error = "error", str(event["error"])[:300]
                     return
-                if event["choices"][0].get("text"):
+                text = event["choices"][0].get("text")
+                if text:
+                    outcome.text += text
                     outcome.output_chunks += 1
                     if outcome.ttft_s is None:
                         outcome.ttft_s = time.monotonic() - started

@@ -11,6 +11,9 @@ errors (only cancels are allowed) and aborts per side, side by side.
 `--soak-minutes M` sends the same kind of stream at a low rate with idle gaps for M
 minutes and reports how the resident memory of each process grows per 1000 requests and
 per hour over the last 30 minutes; `--memory-json`/`--memory-plot` keep the curve.
+`--engine vllm` runs the same kind of load against 2 vLLM P + 2 vLLM D servers with
+kvlink's connector behind vllm-router, kills one P half way and starts it again, and checks
+every answer against vLLM colocated (`kvlink.bench.load_vllm_run`).
 """
 
 from __future__ import annotations
@@ -42,15 +45,29 @@ from kvlink.layout.limits import (
 )
 from kvlink.serve.factory import MODEL_NAMES
 
+ENGINES = ("kvlink", "vllm")
+# Per engine: requests, concurrency (vLLM's: 4 servers on 2 cores).
+DEFAULTS = {"kvlink": (500, 8), "vllm": (300, 6)}
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", choices=MODEL_NAMES, default="smollm2-135m")
-    parser.add_argument("--router", choices=ROUTER_CHOICES, default="kvlink",
-                        help="kvlink's proxy, vllm-router, or both in turn on the same instances")
+    parser.add_argument("--engine", choices=ENGINES, default="kvlink",
+                        help="kvlink: `kvlink serve` instances; vllm: 2 vLLM P + 2 vLLM D with kvlink's "
+                             "connector behind vllm-router, a P killed half way, answers checked "
+                             "against vLLM colocated")
+    parser.add_argument("--model", choices=MODEL_NAMES, default="smollm2-135m", help="kvlink engine's model")
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="vllm engine: HF model dir (default: SmolLM2-135M from `kvlink vllm-models`)")
+    parser.add_argument("--no-kill", action="store_true", help="vllm engine: no P killed")
+    parser.add_argument("--verify-kv", choices=("off", "sample", "full"), default=None,
+                        help="vllm engine: the connector's KV integrity checks (default: its own, sample)")
+    parser.add_argument("--router", choices=ROUTER_CHOICES, default=None,
+                        help="kvlink's proxy, vllm-router, or both in turn on the same instances "
+                             "(default kvlink; the vllm engine runs behind vllm-router)")
     parser.add_argument("--prefills", type=ranged(INSTANCES), default=1, help="prefill instances")
     parser.add_argument("--decodes", type=ranged(INSTANCES), default=1, help="decode instances")
-    parser.add_argument("--requests", type=ranged(COUNT), default=500)
-    parser.add_argument("--concurrency", type=ranged(CONCURRENCY), default=8)
+    parser.add_argument("--requests", type=ranged(COUNT), default=None, help="default 500 (vllm engine: 300)")
+    parser.add_argument("--concurrency", type=ranged(CONCURRENCY), default=None, help="default 8 (vllm engine: 6)")
     parser.add_argument("--cancel-fraction", type=ranged(FRACTION), default=0.1)
     parser.add_argument("--max-prompt-words", type=ranged(TOKENS), default=300)
     parser.add_argument("--time-limit-s", type=ranged(SECONDS), default=1200.0,
@@ -65,18 +82,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--soak-batch", type=ranged(COUNT), default=100, help="requests between idle gaps")
     parser.add_argument("--soak-gap-s", type=ranged(SECONDS_OR_ZERO), default=5.0,
                         help="idle gap between batches")
-    parser.add_argument("--memory-interval-s", type=ranged(SECONDS), default=5.0,
-                        help="soak mode: seconds between memory samples of P, D and the proxy")
+    parser.add_argument("--memory-interval-s", type=ranged(SECONDS), default=None,
+                        help="soak mode and vllm engine: seconds between memory samples of every "
+                             "process (default 5; vllm engine 2)")
     parser.add_argument("--memory-json", type=Path, default=None,
-                        help="soak mode: write the memory samples (RSS, glibc heap) here")
+                        help="soak mode and vllm engine: write the memory samples (RSS, glibc heap) here")
     parser.add_argument("--memory-plot", type=Path, default=None,
-                        help="soak mode: draw the memory curve to this PNG")
+                        help="soak mode and vllm engine: draw the memory curve to this PNG")
     parser.add_argument("--log-dir", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None, help="write the summary here")
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """Options each in range but wrong together."""
+    """Options each in range but wrong together; fills the per-engine defaults."""
+    if args.engine == "vllm":
+        if args.router not in (None, "vllm-router"):
+            raise ValueError("--engine vllm runs behind vllm-router: leave --router out or give vllm-router")
+        if args.soak_minutes:
+            raise ValueError("--soak-minutes soaks `kvlink serve` instances: leave it out with --engine vllm")
+        args.router = "vllm-router"
+    elif args.model_dir is not None or args.no_kill or args.verify_kv is not None:
+        raise ValueError("--model-dir, --no-kill and --verify-kv are for --engine vllm")
+    requests, concurrency = DEFAULTS[args.engine]
+    args.router = args.router or "kvlink"
+    args.requests = args.requests or requests
+    args.concurrency = args.concurrency or concurrency
+    args.memory_interval_s = args.memory_interval_s or (2.0 if args.engine == "vllm" else 5.0)
     if args.soak_minutes and args.router == "both":
         raise ValueError("--router both compares routers under load; --soak-minutes soaks through one: "
                          "give --router kvlink or --router vllm-router")
@@ -97,6 +128,8 @@ def spec_for(args: argparse.Namespace) -> Any:
 def run(args: argparse.Namespace) -> int:
     from kvlink.bench.cluster import Cluster
 
+    if args.engine == "vllm":
+        return _run_vllm(args)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvlink-bench-load-"))
     cluster = Cluster(spec_for(args), log_dir)
     print(f"kvlink bench load: model {args.model}, logs in {log_dir}")
@@ -240,9 +273,37 @@ def _soak(cluster: Any, args: argparse.Namespace) -> dict[str, Any]:
     return summary
 
 
-def _print(summary: dict[str, Any]) -> None:
+def _run_vllm(args: argparse.Namespace) -> int:
+    from kvlink.bench.load_vllm import FleetConfig
+    from kvlink.bench.load_vllm_run import LoadPlan, run_fleet_bench
+    from kvlink.bench.vllm_config import default_model_dir
+
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvlink-bench-load-vllm-"))
+    model_dir = args.model_dir or default_model_dir()
+    print(f"kvlink bench load --engine vllm: {model_dir.name}, logs in {log_dir}")
+    plan = LoadPlan(requests=args.requests, concurrency=args.concurrency, cancel_fraction=args.cancel_fraction,
+                    max_prompt_words=args.max_prompt_words, seed=args.seed,
+                    kill=None if args.no_kill else "prefill0", time_limit_s=args.time_limit_s,
+                    memory_interval_s=args.memory_interval_s)
+    summary = run_fleet_bench(FleetConfig(model_dir=model_dir, log_dir=log_dir, verify_kv=args.verify_kv), plan,
+                              memory_json=args.memory_json, memory_plot=args.memory_plot)
+    summary = {"mode": "load", "engine": "vllm", "model_dir": model_dir.name, **summary}
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=2))
+    for key in ("wrong", "cancelled_not_prefix", "errors_unexpected", "errors_in_kill_window"):
+        for item in summary[key][:5]:
+            print(f"  {key}: {item}")
+    _print({k: v for k, v in summary.items()
+            if k not in ("wrong", "cancelled_not_prefix", "errors_unexpected", "errors_in_kill_window")}
+           | {k: len(summary[k]) for k in ("wrong", "cancelled_not_prefix", "errors_unexpected",
+                                           "errors_in_kill_window")},
+           "PASSED: answers equal vLLM colocated, errors only from cancels and the kill, every instance idle")
+    return 0 if summary["passed"] else 1
+
+
+def _print(summary: dict[str, Any], verdict: str = "PASSED: no leaks, errors only from cancels") -> None:
     print("result:")
     for key, value in summary.items():
         shown = f"{value:.4g}" if isinstance(value, float) else value
         print(f"  {key}: {shown}")
-    print("PASSED: no leaks, errors only from cancels" if summary.get("passed") else "FAILED")
+    print(verdict if summary.get("passed") else "FAILED")
