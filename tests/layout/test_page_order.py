@@ -21,6 +21,10 @@ from kvlink.layout.spec import FullAttention, ModelSpec
 SHAPES = [("token_major", n, d, e) for n in (1, 3, 32) for d in (1, 5, 32) for e in (2, 4)]
 SHAPES += [("vllm_cpu_vec", n, d, e) for n in (1, 3, 32, 64) for d in (1, 5, 32) for e in (2, 4)]
 SHAPES += [("vllm_cpu_amx", n, d, 2) for n in (32, 64, 128) for d in (32, 64, 96)]
+# vLLM's vec16 kernel (vec order; head sizes and blocks that are not multiples of 32) and fp8
+# caches (1-byte elements in the vec and amx orders)
+SHAPES += [("vllm_cpu_vec", n, d, e) for n in (16, 48) for d in (80, 112) for e in (1, 4)]
+SHAPES += [("vllm_cpu_vec", 32, 64, 1), ("vllm_cpu_amx", 32, 64, 1), ("vllm_cpu_amx", 128, 32, 1)]
 
 
 def _element_bytes(order: str, n_tokens: int, head_dim: int, e: int) -> np.ndarray:
@@ -67,12 +71,16 @@ def test_segments_of_each_order() -> None:
 def test_check_page_order_refusals() -> None:
     for order in PAGE_ORDERS:
         check_page_order(order, 32, 64, "bfloat16")
+        check_page_order(order, 32, 64, "fp8_e4m3")
+    check_page_order("vllm_cpu_vec", 16, 80, "float32")  # vLLM's vec16 shapes
     with pytest.raises(ValueError, match="unknown page order 'nhd'; known orders: token_major, vllm_cpu_vec"):
         check_page_order("nhd", 16, 64, "bfloat16")
     with pytest.raises(ValueError, match="must be a string"):
         check_page_order(3, 16, 64, "bfloat16")
     with pytest.raises(ValueError, match="2-byte dtype"):
         check_page_order("vllm_cpu_amx", 32, 64, "float32")
+    with pytest.raises(ValueError, match="multiples of 32"):
+        check_page_order("vllm_cpu_amx", 32, 80, "fp8_e4m3")
     with pytest.raises(ValueError, match="multiples of 32"):
         check_page_order("vllm_cpu_amx", 16, 64, "bfloat16")
     with pytest.raises(ValueError, match="multiples of 32"):

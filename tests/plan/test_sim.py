@@ -243,25 +243,29 @@ def test_hybrid_tp_4_8_reads_each_d_rank_from_one_p_rank() -> None:
 # page orders: vLLM CPU attention pages (K/V split, transposed or AMX-tiled inside a head)
 # ---------------------------------------------------------------------------------------
 ORDER_TP_PAIRS = [(1, 1), (1, 2), (2, 1), (2, 4)]
-ORDER_KERNEL_BLOCKS = st.sampled_from([32, 64, 128])
+# vLLM's vec16 kernel stores the vec order for blocks and head sizes that are not multiples of 32
+ORDER_KERNEL_BLOCKS = {"vllm_cpu_vec": st.sampled_from([16, 32, 48, 64, 128])}
+ORDER_HEAD_DIMS = {"vllm_cpu_vec": st.sampled_from([32, 64, 80])}
+# element types per order: fp8 KV caches are 1-byte elements in vLLM's vec and amx orders
+ORDER_DTYPES = {"vllm_cpu_amx": ["bfloat16", "fp8_e4m3"], "vllm_cpu_vec": ["float32", "bfloat16", "fp8_e4m3"]}
 
 
 @st.composite
 def order_models(draw: st.DrawFn, order: str) -> ModelSpec:
-    dtype = "bfloat16" if order == "vllm_cpu_amx" else draw(st.sampled_from(["float32", "bfloat16"]))
+    dtype = draw(st.sampled_from(ORDER_DTYPES.get(order, ["float32", "bfloat16"])))
     mix = draw(st.sampled_from(["full", "full+sliding"]))
     groups: tuple[GroupSpec, ...] = (FullAttention(),)
     if mix == "full+sliding":
         groups = (FullAttention(), SlidingWindow(window=draw(st.integers(1, 200))))
     layers = draw(st.integers(len(groups), 2))
     return ModelSpec(name=mix, num_kv_heads=draw(st.sampled_from([2, 4])),
-                     head_dim=draw(st.sampled_from([32, 64])), dtype=dtype, groups=groups,
+                     head_dim=draw(ORDER_HEAD_DIMS.get(order, st.sampled_from([32, 64]))), dtype=dtype, groups=groups,
                      layer_groups=tuple(i % len(groups) for i in range(layers)))
 
 
 @st.composite
-def order_sides(draw: st.DrawFn, tp: int) -> Side:
-    kernel = draw(ORDER_KERNEL_BLOCKS)
+def order_sides(draw: st.DrawFn, tp: int, order: str) -> Side:
+    kernel = draw(ORDER_KERNEL_BLOCKS.get(order, st.sampled_from([32, 64, 128])))
     return Side(tp, kernel * draw(st.sampled_from([1, 2])), kernel)
 
 
@@ -271,9 +275,10 @@ def order_sides(draw: st.DrawFn, tp: int) -> Side:
 @given(data=st.data())
 def test_page_orders_are_byte_exact(order: str, p_tp: int, d_tp: int, data: st.DataObject) -> None:
     """Both sides lay pages out in `order` (the simulator through `element_index`); any pair
-    of kernel block sizes from {32, 64, 128}, any D prefix hit, any token count."""
+    of kernel block sizes from {32, 64, 128} (`vllm_cpu_vec`: also 16 and 48, with head dim
+    80 too: vLLM's vec16 shapes), fp8 elements too, any D prefix hit, any token count."""
     model = data.draw(order_models(order), "model")
-    p, d = data.draw(order_sides(p_tp), "P"), data.draw(order_sides(d_tp), "D")
+    p, d = data.draw(order_sides(p_tp, order), "P"), data.draw(order_sides(d_tp, order), "D")
     event("same kernel blocks" if p.kernel_block_size == d.kernel_block_size
           else "P smaller" if p.kernel_block_size < d.kernel_block_size else "P larger")
     shipped = data.draw(st.one_of(st.integers(0, 400), st.sampled_from([31, 33, 95, 127, 129, 257])), "shipped")
@@ -281,9 +286,20 @@ def test_page_orders_are_byte_exact(order: str, p_tp: int, d_tp: int, data: st.D
     run_scenario(model, p, d, shipped, prefix_blocks, data.draw(st.integers(0, 2**16), "seed"), order)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp8_e4m3"])
 @pytest.mark.parametrize("order", ["vllm_cpu_vec", "vllm_cpu_amx"])
 @pytest.mark.parametrize(("p_kbs", "d_kbs"), [(32, 128), (128, 32), (64, 32), (32, 64)])
-def test_page_orders_hand_picked(order: str, p_kbs: int, d_kbs: int) -> None:
-    model = ModelSpec("o", 4, 32, "bfloat16", (FullAttention(),), (0, 0))
+def test_page_orders_hand_picked(order: str, p_kbs: int, d_kbs: int, dtype: str) -> None:
+    model = ModelSpec("o", 4, 32, dtype, (FullAttention(),), (0, 0))
     run_scenario(model, Side(1, p_kbs, p_kbs), Side(2, 2 * d_kbs, d_kbs), 300, 1, 21, order)
     run_scenario(model, Side(2, 2 * p_kbs, p_kbs), Side(1, d_kbs, d_kbs), 97, 0, 22, order)
+
+
+@pytest.mark.parametrize(("p_kbs", "d_kbs"), [(16, 32), (32, 16), (16, 128), (48, 16)])
+def test_vec16_shapes_are_byte_exact(p_kbs: int, d_kbs: int) -> None:
+    """vLLM's vec16 kernel: head size 80 (not a multiple of 32) and blocks of 16 or 48 tokens,
+    stored in the vec order; fp32 and fp8 elements."""
+    for dtype, seed in (("float32", 31), ("fp8_e4m3", 32)):
+        model = ModelSpec("v16", 2, 80, dtype, (FullAttention(),), (0, 0, 0))
+        run_scenario(model, Side(1, p_kbs, p_kbs), Side(1, d_kbs, d_kbs), 150, 1, seed, "vllm_cpu_vec")
+        run_scenario(model, Side(2, 2 * p_kbs, p_kbs), Side(1, d_kbs, d_kbs), 47, 0, seed + 10, "vllm_cpu_vec")

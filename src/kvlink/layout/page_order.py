@@ -6,8 +6,14 @@ contiguous range. Orders differ only inside a unit:
 
 * `token_major` (kvlink's own): token n's K at `n*2D + d`, its V at `n*2D + D + d`.
 * `vllm_cpu_vec`: K part then V part, `N*D` elements each. K is transposed `[D][N]`
-  (element `d*N + n`), V is token-major `[N][D]` (element `N*D + n*D + d`).
-* `vllm_cpu_amx`: K is `[N/16][D/2][16][2]`, V is `[D/16][N/2][16][2]` after the K part.
+  (element `d*N + n`), V is token-major `[N][D]` (element `N*D + n*D + d`). vLLM's `vec`
+  and `vec16` kernels both store this order, for any N (vec16 serves head dims that are not
+  multiples of 32, such as 80, and block sizes that are not).
+* `vllm_cpu_amx`: K is `[N/16][D/2][16][2]`, V is `[D/16][N/2][16][2]` after the K part,
+  for 2-byte elements (bfloat16) and for 1-byte ones (fp8 KV caches) alike.
+
+Orders place elements, not bytes, so one order serves every dtype: an element is
+`dtype_bytes` contiguous bytes (4, 2, or 1 for an fp8 cache, whose bytes move as they are).
 
 `unit_segments` describes an order as segments of token granules, which is all the
 planner needs: a run of whole granules is one contiguous byte range per segment.
@@ -91,8 +97,9 @@ def check_page_order(order: object, N: int, D: int, dtype: str) -> None:
         raise ValueError(f"page order must be a string, one of {', '.join(PAGE_ORDERS)}; got {order!r}")
     _known(order)
     if order == "vllm_cpu_amx":
-        if DTYPE_BYTES.get(dtype) != 2:
-            raise ValueError(f"page order 'vllm_cpu_amx' needs a 2-byte dtype (bfloat16), got {dtype!r}")
+        if DTYPE_BYTES.get(dtype) not in (1, 2):
+            raise ValueError(f"page order 'vllm_cpu_amx' needs a 2-byte dtype (bfloat16) or an fp8 cache, "
+                             f"got {dtype!r}")
         if N % 32 or D % 32:
             raise ValueError(f"page order 'vllm_cpu_amx' needs kernel block size and head dim to be "
                              f"multiples of 32, got kernel block size {N}, head dim {D}")

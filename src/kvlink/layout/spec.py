@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Any, Literal
 
 from kvlink.layout.limits import MAX_MODEL_DIM, MAX_TOKENS, MODEL_DIM, check, int_range
 
-DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+# KV cache element types. The fp8 ones are quantized caches (vLLM's `--kv-cache-dtype fp8`):
+# kvlink moves their bytes as they are, so P and D must also agree on the scales (`kv_scales`).
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
 
 
 @dataclass(frozen=True)
@@ -163,6 +166,9 @@ class ModelSpec:
 
     `layer_groups[i]` is the index in `groups` of layer i's group. Attention groups
     (full, sliding) use `num_kv_heads` x `head_dim`; MLA and SSM groups carry their own dims.
+    `kv_scales[i]` is layer i's (k_scale, v_scale) of a quantized cache: the bytes mean
+    value / scale, so a reader with other scales would decode other values. Empty when the
+    cache holds the model's own dtype.
     """
 
     name: str
@@ -171,6 +177,7 @@ class ModelSpec:
     dtype: str
     groups: tuple[GroupSpec, ...]
     layer_groups: tuple[int, ...]
+    kv_scales: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         check("num_kv_heads", self.num_kv_heads, MODEL_DIM)
@@ -184,6 +191,13 @@ class ModelSpec:
         unused = set(range(len(self.groups))) - set(self.layer_groups)
         if unused:
             raise ValueError(f"groups {sorted(unused)} have no layers")
+        if self.kv_scales:
+            if len(self.kv_scales) != len(self.layer_groups):
+                raise ValueError(f"kv_scales has {len(self.kv_scales)} (k, v) pairs for {len(self.layer_groups)} layers")
+            bad_scales = [pair for pair in self.kv_scales
+                          if len(pair) != 2 or not all(_positive_float(x) for x in pair)]
+            if bad_scales:
+                raise ValueError(f"kv_scales must be (k, v) pairs of finite positive floats, got {bad_scales[:3]}")
 
     @property
     def dtype_bytes(self) -> int:
@@ -204,7 +218,7 @@ class ModelSpec:
         return ShardedPart("kv", self.num_kv_heads, 2 * self.head_dim)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "name": self.name,
             "num_kv_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
@@ -212,6 +226,9 @@ class ModelSpec:
             "groups": [asdict(g) for g in self.groups],
             "layer_groups": list(self.layer_groups),
         }
+        if self.kv_scales:  # absent otherwise: unquantized specs keep their compat hash
+            out["kv_scales"] = [list(pair) for pair in self.kv_scales]
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelSpec:
@@ -228,6 +245,7 @@ class ModelSpec:
                 dtype=str(data["dtype"]),
                 groups=tuple(groups),
                 layer_groups=tuple(_wire_int({"layer_groups": x}, "layer_groups") for x in data["layer_groups"]),
+                kv_scales=tuple(_wire_scale_pair(pair) for pair in data.get("kv_scales", ())),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed model spec: {exc!r}") from exc
@@ -245,6 +263,20 @@ def _wire_int(data: dict[str, Any], key: str) -> int:
     if type(value) is not int:
         raise ValueError(f"malformed model spec: {key} must be an integer, got {value!r}")
     return value
+
+
+def _positive_float(value: object) -> bool:
+    return type(value) is float and math.isfinite(value) and value > 0
+
+
+def _wire_scale_pair(pair: Any) -> tuple[float, float]:
+    if (not isinstance(pair, list | tuple) or len(pair) != 2
+            or not all(type(x) in (int, float) for x in pair)):
+        raise ValueError(f"malformed model spec: kv_scales entries must be [k_scale, v_scale], got {pair!r}")
+    try:
+        return float(pair[0]), float(pair[1])
+    except OverflowError:
+        raise ValueError(f"malformed model spec: kv_scales entry {pair!r} is out of range") from None
 
 
 def _compat_hash(spec: ModelSpec) -> str:

@@ -10,8 +10,8 @@ from kvlink.layout.spec import ModelSpec
 from kvlink.plan.tp_mapping import model_parts
 
 SUPPORTED = (
-    "Supported: P and D run the same model spec (name, dtype, head_dim, KV heads, layers and "
-    "group kinds); each side's TP size either divides every sharded part's unit count (KV "
+    "Supported: P and D run the same model spec (name, KV cache dtype and scales, head_dim, KV "
+    "heads, layers and group kinds); each side's TP size either divides every sharded part's unit count (KV "
     "heads, SSM heads and groups) or is a multiple of it; each side's kernel block size "
     "divides its block size; both sides use the same intra-page element order (page order). "
     "P and D TP sizes and block sizes may otherwise differ freely, in either direction."
@@ -64,7 +64,18 @@ def model_mismatches(p_model: ModelSpec, d_model: ModelSpec) -> list[str]:
         found.append(f"group kinds per layer: P has {_layer_kinds(p_model)}, D has {_layer_kinds(d_model)}")
     elif p_model.groups != d_model.groups:
         found.append(f"group parameters: P has {p_model.groups}, D has {d_model.groups}")
+    if p_model.kv_scales != d_model.kv_scales:
+        found.append(f"KV cache scales (k_scale, v_scale): P has {_scales(p_model)}, D has {_scales(d_model)}; "
+                     "quantized KV bytes decode only with the scales they were written with")
     return found or ["model spec hash differs"]
+
+
+def _scales(model: ModelSpec) -> str:
+    if not model.kv_scales:
+        return "none (unquantized cache)"
+    if len(set(model.kv_scales)) == 1:
+        return f"{model.kv_scales[0]} on all {len(model.kv_scales)} layers"
+    return str(list(model.kv_scales))
 
 
 def page_order_mismatches(p_order: str, d_order: str) -> list[str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,7 +27,12 @@ from kvlink.integrations.vllm.layout import (
     SUPPORTED_LAYOUT,
     GroupInfo,
     UnsupportedVllmLayout,
+    kv_dtype_for,
+    layer_index,
     model_spec,
+    resolved_isa,
+    storage_dtype,
+    with_kv_dtype,
 )
 from kvlink.integrations.vllm.options import (
     agent_config,
@@ -120,9 +125,8 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
         cache = vllm_config.cache_config
         model_config = vllm_config.model_config
         parallel = vllm_config.parallel_config
-        if cache.cache_dtype not in ("auto", None):
-            raise UnsupportedVllmLayout(f"kvlink: kv_cache_dtype {cache.cache_dtype!r} is not supported; use 'auto'")
-        groups = _kv_groups(kv_cache_config)
+        kv_dtype = kv_dtype_for(cache.cache_dtype, _dtype_name(model_config.dtype))
+        groups = with_kv_dtype(_kv_groups(kv_cache_config), kv_dtype)
         hybrid = len(groups) > 1
         if hybrid and parallel.tensor_parallel_size != 1:
             raise UnsupportedVllmLayout(f"kvlink: hybrid models inside vLLM move at TP 1 only; this engine "
@@ -147,8 +151,6 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
                 get_tensor_model_parallel_rank,
                 get_tensor_model_parallel_world_size,
             )
-            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
             if hybrid:
                 from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
 
@@ -156,12 +158,12 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
                     raise UnsupportedVllmLayout(
                         f"kvlink: this hybrid model's conv state is laid out {get_conv_state_layout()!r}; kvlink "
                         "moves it channel-first only: start P and D with VLLM_SSM_CONV_STATE_LAYOUT=DS")
-            torch_dtype = getattr(torch, dtype)
-            isa = _get_attn_isa(torch_dtype, spec.block_size, spec.head_dim)
+            if storage_dtype(dtype) != dtype:
+                model = replace(model, kv_scales=self._kv_scales(spec.layer_names))
             self._worker = WorkerSide(
                 self.config, model,
                 tp_size=get_tensor_model_parallel_world_size(), tp_rank=get_tensor_model_parallel_rank(),
-                head_dim=spec.head_dim, block_size=spec.block_size, dtype=dtype, isa=isa,
+                head_dim=spec.head_dim, block_size=spec.block_size, dtype=dtype,
                 groups=groups if hybrid else None,
                 metrics_port=metrics_port(transfer.kv_connector_extra_config),
                 agent_config=agent_config(transfer.kv_connector_extra_config))
@@ -229,9 +231,33 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None, "worker-side call on a scheduler-role connector"
         return self._worker
 
+    def _attention_layers(self, names: tuple[str, ...]) -> dict[str, Any]:
+        layers = self._vllm_config.compilation_config.static_forward_context
+        missing = [name for name in names if name not in layers]
+        if missing:
+            raise UnsupportedVllmLayout(f"kvlink: vLLM has no attention layers named {missing}")
+        return {name: layers[name] for name in names}
+
+    def _kv_scales(self, names: tuple[str, ...]) -> tuple[tuple[float, float], ...]:
+        """Each layer's (k_scale, v_scale) of a quantized cache, as loaded (1.0 unless the
+        checkpoint has scales): P and D compare them at the handshake."""
+        layers = self._attention_layers(names)
+        return tuple((float(layers[name]._k_scale_float), float(layers[name]._v_scale_float))
+                     for name in sorted(names, key=layer_index))
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._shorten_queue_spin()
-        self._work().register_kv_caches(kv_caches, self._spec.num_kv_heads)
+        spec = self._spec
+        # vLLM's CPU_ATTN metadata builders set each layer's `isa` before the KV cache is
+        # allocated: the kernel vLLM runs, hence the page order, is read, not re-derived.
+        layers = self._attention_layers(spec.layer_names)
+        isa = resolved_isa({name: (layer.attn_backend.get_name(), getattr(layer, "isa", None))
+                            for name, layer in layers.items()})
+        scales = sorted(set(self._work().model.kv_scales))
+        _vllm_log.info("kvlink: vLLM's CPU_ATTN attention runs the %r kernel (KV cache %s, block %d, head size %d%s)",
+                       isa, spec.dtype, spec.block_size, spec.head_dim,
+                       f", k/v scales {scales}" if scales else "")
+        self._work().register_kv_caches(kv_caches, spec.num_kv_heads, isa)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()

@@ -7,15 +7,23 @@ The integration reads the numbers off vLLM's config and tensors and calls these.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 
 from kvlink.layout.spec import DTYPE_BYTES, FullAttention, GroupSpec, Mamba2, ModelSpec
 from kvlink.layout.tensors import ssm_page_elems
 
 # vLLM CPU attention ISA -> kvlink page order (the element order inside one head's unit).
+# `vec16` (head dims or block sizes that are not multiples of 32) stores `vec`'s order: the
+# same K-transposed, V-token-major unit, checked against vLLM's own cache-write kernel by
+# tests/vllm/test_pd_kernels.py. A kernel with another order is a new page order there.
 ISA_PAGE_ORDERS = {"vec": "vllm_cpu_vec", "vec16": "vllm_cpu_vec", "amx": "vllm_cpu_amx"}
 SUPPORTED_LAYOUT = "LBHNC"
+CPU_ATTENTION_BACKEND = "CPU_ATTN"
+# vLLM's --kv-cache-dtype -> kvlink's KV dtype ("auto": the model dtype). The CPU build's
+# "fp8" is e4m3; it views every fp8 cache as raw bytes (uint8 tensors and specs).
+KV_CACHE_DTYPES = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+_FP8_STORAGE = "torch.uint8"
 
 
 class UnsupportedVllmLayout(ValueError):
@@ -27,9 +35,48 @@ def page_order_for(isa: str, dtype: str, block_size: int, head_dim: int) -> str:
     if order is None:
         raise UnsupportedVllmLayout(
             f"kvlink: vLLM's CPU attention uses the {isa!r} kernel layout for dtype {dtype}, block "
-            f"size {block_size}, head size {head_dim}; kvlink knows the element order of "
-            f"{sorted(ISA_PAGE_ORDERS)} only (x86: fp32/fp16 'vec', bf16 'amx' with AMX)")
+            f"size {block_size}, head size {head_dim}; kvlink knows the element order of the "
+            f"{sorted(ISA_PAGE_ORDERS)} kernels only (x86: fp32/fp16 'vec', bf16 'amx' with AMX, "
+            "'vec16' for head sizes that are not multiples of 32)")
     return order
+
+
+def resolved_isa(layers: Mapping[str, tuple[str, object]]) -> str:
+    """The kernel vLLM resolved for one attention group, from its layers' (backend name, `isa`)
+    as vLLM's CPU_ATTN metadata builder set them; refuses another backend, a layer without an
+    ISA, or layers that disagree."""
+    if not layers:
+        raise UnsupportedVllmLayout("kvlink: vLLM's attention group has no layers to read the kernel from")
+    seen = {name: (backend, isa) for name, (backend, isa) in layers.items()}
+    backends = {backend for backend, _ in seen.values()}
+    if backends != {CPU_ATTENTION_BACKEND}:
+        raise UnsupportedVllmLayout(
+            f"kvlink: attention layers run the {sorted(backends)} backend(s); kvlink inside vLLM reads "
+            f"the page order of vLLM's {CPU_ATTENTION_BACKEND} backend only")
+    isas = {isa for _, isa in seen.values()}
+    if len(isas) != 1 or not all(isinstance(isa, str) and isa for isa in isas):
+        raise UnsupportedVllmLayout(
+            f"kvlink: vLLM's attention layers of one group report the kernels "
+            f"{', '.join(sorted(map(repr, isas)))} (first layer {next(iter(seen))!r}); expected one "
+            "ISA, as vLLM's CPU_ATTN metadata builder sets it on every layer")
+    return str(isas.pop())
+
+
+def kv_dtype_for(cache_dtype: str | None, model_dtype: str) -> str:
+    """kvlink's KV dtype for vLLM's `--kv-cache-dtype` on a model of `model_dtype`."""
+    if cache_dtype in (None, "auto"):
+        return model_dtype
+    kv_dtype = KV_CACHE_DTYPES.get(cache_dtype)
+    if kv_dtype is None:
+        raise UnsupportedVllmLayout(
+            f"kvlink: kv_cache_dtype {cache_dtype!r} is not supported; use 'auto' or one of "
+            f"{sorted(KV_CACHE_DTYPES)} (vLLM's CPU attention caches)")
+    return kv_dtype
+
+
+def storage_dtype(dtype: str) -> str:
+    """The dtype vLLM gives tensors and specs of a `dtype` cache (raw bytes for fp8)."""
+    return _FP8_STORAGE if DTYPE_BYTES.get(dtype) == 1 else dtype
 
 
 @dataclass(frozen=True)
@@ -86,8 +133,9 @@ def check_layer_tensors(
         contiguous = (t.shape[1] * t.shape[2] * t.shape[3], t.shape[2] * t.shape[3], t.shape[3], 1)
         if tuple(t.strides) != contiguous:
             raise UnsupportedVllmLayout(f"kvlink: {seen}; expected contiguous strides {list(contiguous)}")
-        if t.dtype != dtype or t.element_size != DTYPE_BYTES.get(dtype):
-            raise UnsupportedVllmLayout(f"kvlink: {seen}; expected dtype {dtype}")
+        if t.dtype != storage_dtype(dtype) or t.element_size != DTYPE_BYTES.get(dtype):
+            raise UnsupportedVllmLayout(f"kvlink: {seen}; expected dtype {storage_dtype(dtype)} "
+                                        f"({DTYPE_BYTES.get(dtype)}-byte {dtype})")
         if t.shape[0] != num_blocks:
             raise UnsupportedVllmLayout(f"kvlink: {seen}; other layers have {num_blocks} blocks")
         bases.append(t.data_ptr)
@@ -114,6 +162,22 @@ class GroupInfo:
     state_shape: tuple[int, ...] = ()
     page_bytes: int = 0
     page_stride: int = 0
+
+
+def with_kv_dtype(groups: Sequence[GroupInfo], kv_dtype: str) -> list[GroupInfo]:
+    """`groups` in kvlink's `kv_dtype` (vLLM's specs name only the model or storage dtype);
+    a quantized cache moves for attention-only models, whose specs must say raw bytes."""
+    if storage_dtype(kv_dtype) == kv_dtype:
+        return list(groups)
+    other = sorted({g.kind for g in groups if g.kind != "attention"})
+    if other:
+        raise UnsupportedVllmLayout(f"kvlink: a {kv_dtype} KV cache moves for attention-only models; this "
+                                    f"model also has {other} groups")
+    wrong = [g for g in groups if g.dtype != storage_dtype(kv_dtype)]
+    if wrong:
+        raise UnsupportedVllmLayout(f"kvlink: a {kv_dtype} KV cache has {storage_dtype(kv_dtype)} KV-cache specs; "
+                                    f"the group of {wrong[0].layer_names[0]!r} has {wrong[0].dtype}")
+    return [replace(g, dtype=kv_dtype) for g in groups]
 
 
 def model_spec(name: str, groups: Sequence[GroupInfo], num_kv_heads_total: int) -> ModelSpec:

