@@ -5,12 +5,8 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from kvlink.bench.memory_series import Sample
-
-if TYPE_CHECKING:
-    from kvlink.bench.load_vllm_run import Events
 
 PARTS = ("api", "engine", "worker")
 
@@ -27,7 +23,7 @@ def machine() -> str:
             f"({model}, AMX {'yes' if 'amx_tile' in flags else 'no'}), {mem:.0f} GiB")
 
 
-def plot(samples: list[Sample], events: Events, load_started: float, path: Path, title: str) -> None:
+def plot(samples: list[Sample], marks: dict[str, float | None], load_started: float, path: Path, title: str) -> None:
     """Top: RSS per process (one colour per server, one line style per part). Bottom: the sum
     over all processes and the requests finished. Times in minutes since the load began;
     `load_started` and the events are on the monotonic clock, the samples since the sampler began
@@ -57,8 +53,8 @@ def plot(samples: list[Sample], events: Events, load_started: float, path: Path,
     requests.set_ylabel("requests finished", color="grey")
     bottom.set_xlabel("minutes since the load began")
     # Ready and back are a second or two apart: their labels go on either side of the lines.
-    for t, label, side in ((events.kill_t, "P killed", "right"), (events.ready_t, "P restarted", "right"),
-                           (events.back_t, "P back in vllm-router", "left")):
+    for t, label, side in ((marks.get("kill_t"), "P killed", "right"), (marks.get("ready_t"), "P restarted", "right"),
+                           (marks.get("back_t"), "P back in vllm-router", "left")):
         if t is None:
             continue
         for axis in (top, bottom):

@@ -239,7 +239,8 @@ def _run(fleet: Fleet, plan: LoadPlan, main: list[Planned], last: list[Planned],
     if memory_plot and sampler.samples:
         from kvlink.bench.load_vllm_plot import plot
 
-        plot(sampler.samples, events, load_started, memory_plot,
+        plot(sampler.samples, {"kill_t": events.kill_t, "ready_t": events.ready_t, "back_t": events.back_t},
+             load_started, memory_plot,
              f"kvlink bench load --engine vllm --requests {plan.requests} --concurrency {plan.concurrency}"
              f"{'' if fleet.config.verify_kv is None else ' --verify-kv ' + fleet.config.verify_kv}: "
              f"{len(fleet.roles('prefill'))} P + {len(fleet.roles('decode'))} D behind vllm-router")

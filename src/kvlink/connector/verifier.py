@@ -136,7 +136,8 @@ class Verifier:
             return (f"P's digests of {len(unsealed)} block(s) never matched this request's tokens "
                     f"within {self.deadline_s:g} s (first: P rank {rank}, group {group}, block {index} "
                     f"of the request): the blocks were reused for other tokens or never sealed")
-        check_.reread_at = self.clock() + REREAD_S
+        # P seals at its next step, which may wait behind a forward pass: back off (2, 4, ... 64 ms).
+        check_.reread_at = self.clock() + REREAD_S * 2 ** min(check_.rereads, 5)
         return "reread"
 
     def _mismatch(self, load: Load, engine: RemoteEngine, src: SourceCheck, result: CheckResult) -> str:
