@@ -1,8 +1,9 @@
 """SmolLM2 in bfloat16 inside vLLM: P block 32 ↔ D block 128 equals colocated vLLM at bf16.
 
-Without AMX (this machine has AVX-512 BF16 but no AMX tiles) vLLM's CPU attention stores bf16
-blocks in the `vec` order, K transposed, like fp32: D reads whole P blocks into its staging
-pages and re-lays the 2-byte elements out. The answers are compared token for token with
+vLLM's CPU attention stores bf16 blocks in the `amx` order on a CPU with AMX tiles
+(`torch.cpu._is_amx_tile_supported()`; machines of this kind differ) and in the `vec` order
+(K transposed, like fp32) without: either way D reads whole P blocks into its staging pages
+and re-lays the 2-byte elements out; the connector logs which kernel each server ran. The answers are compared token for token with
 the same vLLM serving bf16 colocated. Both servers name the connector only (no module path):
 vLLM finds it through installed kvlink's `vllm.general_plugins` entry point.
 """
