@@ -107,3 +107,49 @@ def test_handshake_failure_says_whether_the_params_or_the_peer_are_at_fault() ->
     finally:
         d.shutdown()
         p.shutdown()
+
+
+def test_a_request_sealed_right_after_its_forward_is_not_hashed_again_at_its_save() -> None:
+    """vLLM's P seals a request in the step that completes its prefill (`seal_now`); the save
+    that follows one step later, over the same blocks and tokens, only starts the lease. D
+    (verify_kv full) checks every unit against those digests at its first READ."""
+    model = TINY_HYBRID
+    n = 40
+    p_mem = real_worker(model, 1, 0, 16, 16, 32, seed=1)
+    d_mem = real_worker(model, 1, 0, 16, 16, 32, seed=2)
+    p = NixlWorker(ConnectorConfig("P", side_channel_port=0), model, 1, 0, 16, 16, 32)
+    d = NixlWorker(ConnectorConfig("D", side_channel_port=0, verify_kv="full"), model, 1, 0, 16, 16, 32)
+    try:
+        p.register_kv_caches(*region_sizes(p_mem))
+        d.register_kv_caches(*region_sizes(d_mem))
+        rng = np.random.default_rng(4)
+        logical = sim.make_logical(model, n, rng)
+        p_ids = [np.array([5, 9, 2], dtype=np.int64), np.array([7], dtype=np.int64)]
+        sim.store(p_mem, logical, p_ids, [np.arange(n - 1), np.arange(0)])
+        prompt = list(range(100, 100 + n))
+        entry = {"request_id": "p1", "block_ids": [x.tolist() for x in p_ids], "token_ids": prompt[:-1],
+                 "num_tokens": n - 1}
+        p.seal_now([entry])
+        sealed = p.stats.counters["kv_sealed_bytes_total"]
+        assert sealed > 0 and p.stats.counters["kv_early_seals_total"] == 1
+        p.start_load_kv(StepMetadata(saves=[dict(entry)]))
+        assert p.stats.counters["kv_sealed_bytes_total"] == sealed, "the save hashed the request again"
+        load = {
+            "request_id": "d1", "remote_request_id": "p1", "remote_engine_id": "P",
+            "remote_host": "127.0.0.1", "remote_port": p.side_channel_port, "remote_tp_size": 1,
+            "remote_block_ids": entry["block_ids"], "transfer_mode": "pull",
+            "local_block_ids": [[1, 3, 30], [4]], "local_computed_tokens": 0,
+            "num_tokens": n - 1, "token_ids": prompt[:-1],
+        }
+        d.start_load_kv(StepMetadata(loads=[load]))
+        outs = poll_until([d, p], lambda o: any("d1" in x.finished_recving for x in o))
+        assert not any(x.failed_recving for x in outs)
+        assert d.stats.counters["kv_verified_units_total"] > 0
+        assert d.stats.counters["kv_digest_rereads_total"] == 0
+        # A save over other blocks than the early seal (vLLM preempted and re-placed it) is hashed.
+        p.seal_now([{**entry, "request_id": "p2"}])
+        p.start_load_kv(StepMetadata(saves=[{**entry, "request_id": "p2", "block_ids": [[6, 9, 2], [7]]}]))
+        assert p.stats.counters["kv_sealed_bytes_total"] > 2 * sealed
+    finally:
+        d.shutdown()
+        p.shutdown()

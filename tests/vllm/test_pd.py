@@ -285,6 +285,7 @@ def test_behind_a_router(pd: PD, colocated: Colocated, kind: str, tmp_path: Path
 
 def test_kv_transfer_metrics_line_and_worker_counters(pd: PD) -> None:
     prompt = "(metrics) " + PROMPTS[1]
+    rereads = worker_counter(pd, "b", "kv_digest_rereads_total")
     params = pd.prefill(pd.a, prompt)
     # What P holds for D right now reaches vLLM's /metrics with P's next steps.
     assert wait_metric(pd.a.url, "vllm:kvlink_pending_sends", 0) == 1
@@ -319,6 +320,10 @@ def test_kv_transfer_metrics_line_and_worker_counters(pd: PD) -> None:
                  "failed_handshakes_total", "pending_sends", "pending_send_blocks"):
         assert f"vllm:kvlink_{name}{{" in series, name
     assert vllm_metric(pd.b, "vllm:kvlink_kv_checksum_mismatch_total") == 0
+    # P sealed the request right after the forward that completed its prefill, before its
+    # answer left: D's first digest READ found the seals (no re-read).
+    assert worker_counter(pd, "b", "kv_digest_rereads_total") == rereads
+    assert worker_counter(pd, "a", "kv_early_seals_total") >= 1
 
 
 # ---- faults (last: they freeze and kill servers) ------------------------------------------

@@ -65,3 +65,51 @@ def test_attention_only_p_and_plain_requests_are_untouched() -> None:
     plain = request([5, 6, 7, 8], None)
     side([MAMBA, ATTENTION]).on_new_request(plain)
     assert plain.prompt_token_ids == [5, 6, 7, 8]
+
+
+def _output(new: list[Any] = (), cached: SimpleNamespace | None = None,  # type: ignore[assignment]
+            scheduled: dict[str, int] | None = None) -> SimpleNamespace:
+    empty = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[])
+    return SimpleNamespace(scheduled_new_reqs=list(new), scheduled_cached_reqs=cached or empty,
+                           num_scheduled_tokens=scheduled or {})
+
+
+def test_p_names_the_requests_whose_prefill_a_step_completes_for_sealing_after_its_forward() -> None:
+    """A one-token P request in chunks: no seal while chunks remain; the step that schedules
+    the last chunk names it, with every block so far and the tokens its save will carry."""
+    s = side([ATTENTION])
+    r = request(list(range(300)), {"do_remote_decode": True})
+    r.max_tokens = 1
+    s.on_new_request(r)
+    first = SimpleNamespace(req_id="r1", block_ids=([4, 5],), num_computed_tokens=128)
+    assert s.build_step(_output([first], scheduled={"r1": 128})).seals == []
+    chunk = SimpleNamespace(req_ids=["r1"], resumed_req_ids=set(), new_block_ids=[([9],)],
+                            num_computed_tokens=[256])
+    (seal,) = s.build_step(_output(cached=chunk, scheduled={"r1": 44})).seals
+    assert seal["block_ids"] == [[4, 5, 9]] and seal["num_tokens"] == 299
+    assert seal["token_ids"] == list(range(299))
+    _, _ = s.request_finished(r, [[4, 5, 9]])
+    (save,) = s.build_step().saves
+    assert (save["block_ids"], save["token_ids"], save["num_tokens"]) == (
+        seal["block_ids"], seal["token_ids"], seal["num_tokens"])
+    assert s.build_step(_output(cached=chunk, scheduled={"r1": 44})).seals == []  # once
+
+
+def test_requests_that_go_on_after_the_prefill_are_sealed_when_they_finish() -> None:
+    """Several output tokens (their KV keeps changing the last page), no P/D params, or
+    verify_kv off: nothing is sealed early."""
+    many = request([1, 2, 3], {"do_remote_decode": True})
+    plain = request([1, 2, 3], None)
+    plain.request_id = "r2"
+    plain.max_tokens = 1
+    s = side([ATTENTION])
+    s.on_new_request(many)
+    s.on_new_request(plain)
+    new = [SimpleNamespace(req_id=rid, block_ids=([1],), num_computed_tokens=0) for rid in ("r1", "r2")]
+    assert s.build_step(_output(new, scheduled={"r1": 3, "r2": 3})).seals == []
+    off = SchedulerSide(ConnectorConfig(engine_id="p", insecure_unsigned_params=True, verify_kv="off"), 1,
+                        model_spec("m", [ATTENTION], 1), (0,))
+    one = request([1, 2, 3], {"do_remote_decode": True})
+    one.max_tokens = 1
+    off.on_new_request(one)
+    assert off.build_step(_output(new[:1], scheduled={"r1": 3})).seals == []

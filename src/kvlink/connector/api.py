@@ -44,6 +44,10 @@ class StepMetadata:
     notify_only: list[dict[str, Any]] = field(default_factory=list)
     frees: list[str] = field(default_factory=list)
     heartbeats: list[dict[str, Any]] = field(default_factory=list)
+    # P (vLLM): requests whose prefill this step's forward completes, shaped like `saves`;
+    # the worker seals them right after the forward (`NixlWorker.seal_now`), so their
+    # digests are in place before P's answer leaves the engine.
+    seals: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -45,22 +45,51 @@ class Faults:
         return cls(**{name: True for name in names})
 
 
+EARLY_SEALS_KEPT = 4096  # early seals whose save has not come yet (an aborted request's never does)
+
+
+def _seal_key(entry: dict[str, Any]) -> tuple[int, tuple[tuple[int, ...], ...]]:
+    return int(entry.get("num_tokens", 0)), tuple(tuple(int(b) for b in ids) for ids in entry["block_ids"])
+
+
 class Sealer:
-    """Seals the requests a P worker keeps for decoders (`saves` of a step)."""
+    """Seals the requests a P worker keeps for decoders (`saves` of a step).
+
+    Inside vLLM a request's save reaches the worker one engine step after its prefill, after
+    that step's forward: D, already holding P's answer, would find the digests missing for a
+    whole forward pass. So vLLM's scheduler also names the requests whose prefill a step
+    completes (`StepMetadata.seals`) and the worker seals them right after that forward
+    (`seal_early`); their save then finds them sealed over the same blocks and tokens, and
+    only the fault injector runs."""
 
     def __init__(self, table: DigestTable, memory: Memory, stats: ConnectorStats, faults: Faults) -> None:
         self.table = table
         self.memory = memory
         self.stats = stats
         self.faults = faults
+        self._early: dict[str, tuple[int, tuple[tuple[int, ...], ...]]] = {}
+
+    def _hash(self, entry: dict[str, Any]) -> None:
+        hashed = self.table.seal(self.memory, entry["block_ids"], entry["token_ids"], int(entry["num_tokens"]))
+        self.stats.count("kv_sealed_bytes_total", hashed)
+
+    def seal_early(self, entry: dict[str, Any]) -> None:
+        """Seal a request whose prefill the forward just completed, before its save."""
+        if not entry.get("token_ids") or int(entry.get("num_tokens", 0)) <= 0:
+            return
+        self._hash(entry)
+        self.stats.count("kv_early_seals_total")
+        self._early[entry["request_id"]] = _seal_key(entry)
+        while len(self._early) > EARLY_SEALS_KEPT:
+            del self._early[next(iter(self._early))]
 
     def seal(self, save: dict[str, Any]) -> bool:
         """Seal one save; True when the fault injector wants its blocks freed at once."""
         tokens, num_tokens = save.get("token_ids"), int(save.get("num_tokens", 0))
         if not tokens or num_tokens <= 0:
             return False
-        hashed = self.table.seal(self.memory, save["block_ids"], tokens, num_tokens)
-        self.stats.count("kv_sealed_bytes_total", hashed)
+        if self._early.pop(save["request_id"], None) != _seal_key(save):
+            self._hash(save)
         if self.faults.flip_after_seal:
             self._flip(save["block_ids"], num_tokens)
         return self.faults.free_after_seal

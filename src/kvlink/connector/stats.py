@@ -44,6 +44,7 @@ class ConnectorStats:
             "kv_verified_units_total": 0,
             "kv_verified_bytes_total": 0,
             "kv_sealed_bytes_total": 0,
+            "kv_early_seals_total": 0,
             "kv_unverifiable_units_total": 0,
             "kv_digest_rereads_total": 0,
             "kv_verify_us_total": 0,

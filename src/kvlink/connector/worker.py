@@ -156,6 +156,13 @@ class NixlWorker(ConnectorWorker):
         self._waiting += [("heartbeat", e) for e in metadata.heartbeats if self.directory.known(e)]
         self._advance()
 
+    def seal_now(self, seals: Sequence[dict[str, Any]]) -> None:
+        """P: seal requests whose prefill the forward that just ran completed (vLLM calls
+        this after the forward; their saves come one step later)."""
+        if self.sealer is not None:
+            for entry in seals:
+                self.sealer.seal_early(entry)
+
     def _advance(self) -> None:
         """Finish handshakes, then run every waiting entry whose engine is ready."""
         assert self.agent is not None and self.geometry is not None and self.pull is not None

@@ -206,7 +206,7 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
             # these as fast as it can. Pace them, so an engine holding a lease does not take
             # the core a peer on the same machine needs to read it.
             time.sleep(IDLE_STEP_S)
-        return KvlinkMetadata(side.build_step())
+        return KvlinkMetadata(side.build_step(scheduler_output))
 
     def update_connector_output(self, connector_output: Any) -> None:
         self._sched().update_connector_output(connector_output)
@@ -273,7 +273,11 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
         return None  # P's blocks are read (pull) or written out (push) after the request finished
 
     def wait_for_save(self) -> None:
-        return None
+        # After the forward: seal the requests whose prefill it completed (verify_kv), so
+        # their digests are in place before P's answer goes out.
+        metadata = self._get_connector_metadata() if self.has_connector_metadata() else None
+        if isinstance(metadata, KvlinkMetadata) and metadata.step.seals:
+            self._work().seal_now(metadata.step.seals)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)

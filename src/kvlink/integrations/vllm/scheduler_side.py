@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kvlink.connector.api import RequestView, StepMetadata, WorkerOutput
 from kvlink.connector.config import ConnectorConfig
+from kvlink.connector.params import wants_remote_decode
 from kvlink.connector.scheduler import NixlScheduler
 from kvlink.layout.spec import ModelSpec
 
@@ -35,6 +37,8 @@ class SchedulerSide:
         self._refused_loads: list[dict[str, Any]] = []
         # Hybrid P: the full prompt of requests P computes one token short (see _stop_short).
         self._full_prompt: dict[str, list[int]] = {}
+        # P with verify_kv: requests that end with their prefill, sealed right after it (see _seals).
+        self._prefills: dict[str, _Prefill] = {}
 
     def on_new_request(self, request: Any) -> None:
         if getattr(request, "abort_immediately", False):
@@ -48,6 +52,7 @@ class SchedulerSide:
         try:
             self.core.on_new_request(view(request))
             self._stop_short(request)
+            self._track_prefill(request)
         except Exception as exc:  # anything raised here would stop vLLM's engine core
             if self.config.load_failure_policy == "recompute" or not _wants_remote_prefill(request):
                 log.warning("request %s: ignoring its kv_transfer_params (%s); computing it here",
@@ -73,6 +78,49 @@ class SchedulerSide:
         params["_kvlink_stopped_short"] = True
         log.info("request %s: prefilling %d of %d prompt tokens (hybrid: D recomputes the last one)",
                  request.request_id, request.num_prompt_tokens, request.num_prompt_tokens + 1)
+
+    def _track_prefill(self, request: Any) -> None:
+        """P: a request that ends with its prefill (one output token) is sealed in the step
+        that completes it; any other keeps being sealed when it finishes."""
+        if (self.config.verify_kv == "off" or not wants_remote_decode(request.kv_transfer_params)
+                or getattr(request, "max_tokens", None) != 1 or request.prompt_token_ids is None):
+            return
+        full = self._full_prompt.get(request.request_id, request.prompt_token_ids)
+        self._prefills[request.request_id] = _Prefill(list(full[:-1]), int(request.num_prompt_tokens))
+
+    def _seals(self, scheduler_output: Any) -> list[dict[str, Any]]:
+        """The tracked requests whose prefill this step completes, with their block ids
+        (the same entries their save will carry)."""
+        if not self._prefills or scheduler_output is None:
+            return []
+        scheduled: dict[str, int] = getattr(scheduler_output, "num_scheduled_tokens", {}) or {}
+        seen: list[tuple[str, int]] = []
+        for new in getattr(scheduler_output, "scheduled_new_reqs", ()) or ():
+            tracked = self._prefills.get(new.req_id)
+            if tracked is not None:
+                tracked.block_ids = [list(ids) for ids in new.block_ids]
+                seen.append((new.req_id, int(new.num_computed_tokens)))
+        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+        for i, rid in enumerate(getattr(cached, "req_ids", ()) or ()):
+            tracked = self._prefills.get(rid)
+            if tracked is None:
+                continue
+            added = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                tracked.block_ids = [list(ids) for ids in added or ()]
+            elif added is not None and tracked.block_ids is not None:
+                for group, ids in enumerate(added):
+                    tracked.block_ids[group].extend(ids)
+            seen.append((rid, int(cached.num_computed_tokens[i])))
+        out = []
+        for rid, computed in seen:
+            tracked = self._prefills[rid]
+            if tracked.block_ids is None or computed + int(scheduled.get(rid, 0)) < tracked.prompt_len:
+                continue
+            del self._prefills[rid]
+            out.append({"request_id": rid, "block_ids": tracked.block_ids, "token_ids": tracked.tokens,
+                        "num_tokens": len(tracked.tokens)})
+        return out
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         rid = request.request_id
@@ -100,8 +148,9 @@ class SchedulerSide:
         self.core.update_state_after_alloc(view(request), block_ids, num_external_tokens,
                                            self._local_hit.pop(rid, 0))
 
-    def build_step(self) -> StepMetadata:
+    def build_step(self, scheduler_output: Any = None) -> StepMetadata:
         step = self.core.build_step_metadata()
+        step.seals = self._seals(scheduler_output)
         if self._refused_loads:
             step.loads.extend(self._refused_loads)
             self._refused_loads = []
@@ -117,6 +166,7 @@ class SchedulerSide:
     def request_finished(self, request: Any, block_ids: Sequence[Sequence[int]]) -> tuple[bool, dict[str, Any] | None]:
         self._local_hit.pop(request.request_id, None)
         self._refused.pop(request.request_id, None)
+        self._prefills.pop(request.request_id, None)
         full = self._full_prompt.pop(request.request_id, None)
         aborted = request.status.name not in KEEP_STATUSES
         try:
@@ -136,6 +186,13 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         self.core.shutdown()
+
+
+@dataclass
+class _Prefill:
+    tokens: list[int]  # the tokens P ships (and seals)
+    prompt_len: int  # tokens P computes (one fewer for a hybrid stopped short)
+    block_ids: list[list[int]] | None = None
 
 
 def _wants_remote_prefill(request: Any) -> bool:

@@ -29,6 +29,7 @@ COUNTERS = {
     "kv_verified_units_total": "kvlink KV units D hashed and found equal to P's digests.",
     "kv_verified_bytes_total": "kvlink KV bytes D hashed to check them.",
     "kv_digest_rereads_total": "kvlink digest slices D read again (P had not sealed them for this request yet).",
+    "kv_early_seals_total": "kvlink requests P sealed right after the forward that completed their prefill.",
     "kv_unsealed_loads_total": "kvlink loads whose digests never matched the request's tokens (the load failed).",
     "kv_unverifiable_units_total": "kvlink KV units D received but could not check (not held whole).",
 }

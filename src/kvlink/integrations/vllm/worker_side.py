@@ -92,6 +92,10 @@ class WorkerSide:
                 self.core.fail_request(entry["request_id"], blocks, entry["error"], bad_params=True)
         self.core.start_load_kv(step)
 
+    def seal_now(self, seals: Sequence[dict[str, Any]]) -> None:
+        if self.core is not None:
+            self.core.seal_now(seals)
+
     def progress(self) -> None:
         """Called at every attention layer of a forward pass: drive NIXL at most once per
         PROGRESS_EVERY_S. With no progress thread, a peer's READ from us (or its notification)
