@@ -39,15 +39,15 @@ class Load:
     # push mode: D's own plan of what the sources write, for the check after `pushed`
     push_specs: list[Any] = field(default_factory=list)
 
-    # per READ (by id): the digest slices it also carried, (bytes, descriptors), kept out of
-    # the KV figures
-    digest_share: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # per READ (by id): the digest slices it also carried, (bytes, descriptors, descriptors
+    # once NIXL merged those that follow on), kept out of the KV figures
+    digest_share: dict[int, tuple[int, int, int]] = field(default_factory=dict)
 
     def record(self, t: Transfer) -> TransferRecord:
         rec = transfer_record(self.request_id, t)
-        nbytes, descs = self.digest_share.get(id(t), (0, 0))
+        nbytes, descs, merged = self.digest_share.get(id(t), (0, 0, 0))
         rec.nbytes -= nbytes
-        rec.descriptors -= descs
+        rec.descriptors -= merged if t.telemetry is not None else descs
         return rec
 
 

@@ -22,6 +22,7 @@ from kvlink.connector.sealer import Faults
 from kvlink.connector.staging import LocalPages
 from kvlink.connector.verifier import NoDigestSlots, Verifier
 from kvlink.connector.worker_parts import WorkerParts
+from kvlink.layout.digests import ENTRY_BYTES
 from kvlink.layout.geometry import WorkerGeometry
 from kvlink.layout.spec import ModelSpec, is_ssm
 from kvlink.plan.descriptors import IntArray
@@ -86,7 +87,7 @@ class PullReader:
                 w.send(handles.agent_name, done, engine)
                 continue
             attached = done if w.notifier is None and check is None else b""
-            local_idx, remote_idx, digest_ids = self._read_ids(engine, load, spec)
+            local_idx, remote_idx, digest_ids, digest_remote = self._read_ids(engine, load, spec)
             try:
                 t = self.agent.post("READ", handles.local_handle, local_idx,
                                  handles.remote_handle, remote_idx, attached, tag=rid)
@@ -98,7 +99,8 @@ class PullReader:
                 return True
             load.transfers.append(t)
             if len(digest_ids):
-                load.digest_share[id(t)] = (self._local_lengths(engine, spec.src_rank, digest_ids), len(digest_ids))
+                load.digest_share[id(t)] = (self._local_lengths(engine, spec.src_rank, digest_ids), len(digest_ids),
+                                            self._runs(engine, spec.src_rank, digest_ids, digest_remote))
             if not attached:
                 load.dones.append((t, handles.agent_name, done))
             self.inflight.add(t)
@@ -107,18 +109,19 @@ class PullReader:
         self.maybe_complete(load)
         return True
 
-    def _read_ids(self, engine: RemoteEngine, load: Load, spec: ReadSpec) -> tuple[IntArray, IntArray, IntArray]:
+    def _read_ids(self, engine: RemoteEngine, load: Load,
+                  spec: ReadSpec) -> tuple[IntArray, IntArray, IntArray, IntArray]:
         """A READ's descriptor ids (local, remote): the KV's, then the digest slices', which
-        are also returned apart."""
+        are also returned apart (local, remote)."""
         local_idx, remote_idx = spec.local_idx, spec.remote_idx
         if self.faults.skip_descriptor and len(local_idx) > 1:  # test fault: a truncated transfer
             keep = np.arange(len(local_idx)) != len(local_idx) // 2
             local_idx, remote_idx = local_idx[keep], remote_idx[keep]
         if load.check is None:
-            return local_idx, remote_idx, local_idx[:0]
+            return local_idx, remote_idx, local_idx[:0], remote_idx[:0]
         digest_local, digest_remote = self.verifier.indices(engine, load.check, spec.src_rank)
         return (np.concatenate([local_idx, digest_local]), np.concatenate([remote_idx, digest_remote]),
-                digest_local)
+                digest_local, digest_remote)
 
     def _local_lengths(self, engine: RemoteEngine, src_rank: int, ids: IntArray) -> int:
         """Bytes of the digest slices at these local descriptor ids."""
@@ -127,6 +130,21 @@ class PullReader:
         base = engine.handles[src_rank].digest_local_base
         groups = (ids - base) // pool.slots
         return sum(pool.layout.slice_bytes(int(g)) for g in groups)
+
+    def _runs(self, engine: RemoteEngine, src_rank: int, local_ids: IntArray, remote_ids: IntArray) -> int:
+        """How many descriptors the digest slices make once NIXL merged the ones that follow on
+        in memory on both sides (NIXL's figures count merged descriptors)."""
+        pool = engine.digest_slots[src_rank]
+        handles = engine.handles[src_rank]
+        layout = pool.layout
+        row = layout.row_entries * ENTRY_BYTES
+        lg, slot = np.divmod(local_ids - handles.digest_local_base, pool.slots)
+        rg, block = np.divmod(remote_ids - handles.digest_remote_base, layout.num_blocks)
+        offsets = np.asarray(layout.group_offsets, dtype=np.int64) * ENTRY_BYTES
+        sizes = np.asarray([layout.slice_bytes(g) for g in range(len(layout.group_units))], dtype=np.int64)
+        local, remote = slot * row + offsets[lg], block * row + offsets[rg]
+        follows = (local[1:] == local[:-1] + sizes[lg[:-1]]) & (remote[1:] == remote[:-1] + sizes[rg[:-1]])
+        return int(local_ids.size - np.count_nonzero(follows))
 
     def _wait_for_slots(self, entry: dict[str, Any], what: str, advice: str = "") -> bool:
         """No free slots (staging pages, digest slots) for a load: it waits for them, up to the

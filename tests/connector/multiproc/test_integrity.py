@@ -61,7 +61,14 @@ def _p_frees(p: Engine) -> None:
 def test_correct_loads_are_checked(engines: dict[str, Engine]) -> None:
     p, d = engines["IP"], engines["ID"]
     pull_exact(p, d, "ok-1", 3, 40, [blocks(0, 3)], [blocks(3, 3)])
-    counters = _counters(d)
+    stats = d.call("stats")[0]
+    counters = stats["counters"]
+    # The digest slices the READ also carried stay out of its KV figures (NIXL merges the
+    # slices of consecutive blocks, as it merges the KV's descriptors).
+    (record,) = stats["transfers"]
+    pull_exact(p, engines["OD"], "ok-off", 3, 40, [blocks(0, 3)], [blocks(3, 3)])
+    (unchecked,) = engines["OD"].call("stats")[0]["transfers"]
+    assert (record["nbytes"], record["descriptors"]) == (unchecked["nbytes"], unchecked["descriptors"])
     assert counters["kv_verified_units_total"] == 3 * 8 // 1  # 3 blocks x 8 heads (TP 1)
     assert counters["kv_verified_bytes_total"] == 2 * 39 * 8 * 2 * 32 * 2  # layers x tokens x heads x K,V x dim x bf16
     assert counters.get("kv_checksum_mismatch_total", 0) == 0
