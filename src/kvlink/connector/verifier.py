@@ -3,7 +3,7 @@
 A pulled load reads P's digest slices of its blocks in the same READ as the KV; a pushed
 one reads them once P says `pushed`. Then the reader hashes its own copies
 (`kvlink.connector.integrity.check`): a slice whose seed is not this request's tokens was
-not sealed yet (P seals at its next step) or was sealed for other tokens (P reused the
+not sealed yet (P seals at its next step, or inside vLLM right after the prefill) or was sealed for other tokens (P reused the
 block): it is read again, a few milliseconds apart, until the stall deadline; a unit whose
 digest differs fails the load at once, naming the request, the pages and both digests.
 """
