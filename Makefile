@@ -33,7 +33,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check src tests
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q -m "not faults" tests
+	$(BIN)/python -m pytest -q -m "not faults" --durations=40 tests
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow and not faults" tests
