@@ -14,6 +14,7 @@ import bisect
 import ctypes
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -39,11 +40,17 @@ class AddressSpace:
         self._bases = [base for base, _ in spans]
         self._views = [memoryview((ctypes.c_uint8 * (end - base)).from_address(base)).cast("B")
                        for base, end in spans]
+        self._index()
+
+    def _index(self) -> None:
+        self._base_array = np.array(self._bases, dtype=np.int64)
+        self._size_array = np.array([v.nbytes for v in self._views], dtype=np.int64)
 
     def add(self, base: int, data: npt.NDArray[np.uint8]) -> None:
         at = bisect.bisect(self._bases, base)
         self._bases.insert(at, base)
         self._views.insert(at, data.data.cast("B"))
+        self._index()
 
     def __call__(self, addr: int, length: int) -> memoryview:
         at = bisect.bisect_right(self._bases, addr) - 1
@@ -55,13 +62,41 @@ class AddressSpace:
             raise ValueError(f"range {addr:#x}+{length} runs past its area")
         return view[offset:offset + length]
 
+    def pieces(self, addrs: npt.NDArray[np.int64], lengths: npt.NDArray[np.int64]) -> list[memoryview]:
+        """The bytes of many ranges at once (one lookup for all of them)."""
+        at = np.searchsorted(self._base_array, addrs, side="right") - 1
+        if at.size and int(at.min()) < 0:
+            raise ValueError(f"address {int(addrs[np.argmin(at)]):#x} is below every registered area")
+        starts = addrs - self._base_array[at]
+        ends = starts + lengths
+        over = np.flatnonzero(ends > self._size_array[at])
+        if over.size:
+            raise ValueError(f"range {int(addrs[over[0]]):#x}+{int(lengths[over[0]])} runs past its area")
+        views = self._views
+        return [views[i][a:b] for i, a, b in zip(at.tolist(), starts.tolist(), ends.tolist(), strict=True)]
 
-def digest_of(memory: Memory, addrs: npt.NDArray[np.int64], lengths: npt.NDArray[np.int64], seed: int) -> int:
-    h = xxhash.xxh3_64(seed=seed)
-    for addr, length in zip(addrs.tolist(), lengths.tolist(), strict=True):
-        if length:
-            h.update(memory(addr, length))
-    return int(h.intdigest())
+
+def _pieces(memory: Memory, addrs: npt.NDArray[np.int64], lengths: npt.NDArray[np.int64]) -> list[Any]:
+    many = getattr(memory, "pieces", None)
+    if many is not None:
+        return list(many(addrs, lengths))
+    return [memory(a, n) for a, n in zip(addrs.tolist(), lengths.tolist(), strict=True)]
+
+
+def digests(memory: Memory, addrs: npt.NDArray[np.int64], lengths: npt.NDArray[np.int64],
+            starts: npt.NDArray[np.int64], seeds: Sequence[int]) -> list[int]:
+    """Digest of each unit `k`: xxh3-64 seeded with `seeds[k]` over its ranges
+    `starts[k]:starts[k+1]` in order, as one stream (empty ranges add nothing)."""
+    keep = lengths > 0
+    bounds = np.concatenate(([0], np.cumsum(keep)))[starts].tolist()
+    views = _pieces(memory, addrs[keep], lengths[keep])
+    out = []
+    for k, seed in enumerate(seeds):
+        h = xxhash.xxh3_64(seed=seed)
+        for piece in views[bounds[k]:bounds[k + 1]]:
+            h.update(piece)
+        out.append(h.intdigest())
+    return out
 
 
 def seal(table: npt.NDArray[np.uint64], dg: DigestGeometry, memory: Memory, block_ids: Sequence[Sequence[int]],
@@ -78,15 +113,15 @@ def seal(table: npt.NDArray[np.uint64], dg: DigestGeometry, memory: Memory, bloc
         blocks = np.array([ids[i] for i in indices], dtype=np.int64)
         ranges = unit_ranges(dg, group, blocks, indices, num_tokens)
         per_block, per_unit = ranges.units_per_block, ranges.per_unit
+        block_seeds = [seeds[seed_index(geometry, group, index, num_tokens)] for index in indices]
+        starts = np.arange(blocks.size * per_block + 1, dtype=np.int64) * per_unit
+        values = digests(memory, ranges.addrs, ranges.lengths, starts,
+                         [seed for seed in block_seeds for _ in range(per_block)])
         offset = layout.group_offsets[group]
-        for b, (block, index) in enumerate(zip(blocks.tolist(), indices, strict=True)):
-            seed = seeds[seed_index(geometry, group, index, num_tokens)]
-            row = table[block]
-            for unit in range(per_block):
-                span = slice((b * per_block + unit) * per_unit, (b * per_block + unit + 1) * per_unit)
-                row[offset + 1 + unit] = digest_of(memory, ranges.addrs[span], ranges.lengths[span], seed)
-                hashed += int(ranges.lengths[span].sum())
-            row[offset] = seed
+        table[blocks, offset + 1:offset + 1 + per_block] = np.array(values, dtype=np.uint64).reshape(
+            blocks.size, per_block)
+        table[blocks, offset] = np.array(block_seeds, dtype=np.uint64)
+        hashed += int(ranges.lengths.sum())
     return hashed
 
 
@@ -106,24 +141,34 @@ class CheckResult:
         return not self.unsealed and not self.mismatches
 
 
+def _unit_pieces(starts: npt.NDArray[np.int64], units: npt.NDArray[np.int64]
+                 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """Piece indices of some units, in order, and where each unit's run starts in them."""
+    counts = starts[units + 1] - starts[units]
+    bounds = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+    index = np.arange(int(bounds[-1]), dtype=np.int64) + np.repeat(starts[units] - bounds[:-1], counts)
+    return index, bounds
+
+
 def check(spec: VerifySpec, slices: npt.NDArray[np.uint64], seeds: Sequence[int], memory: Memory) -> CheckResult:
     """Compare the digest slices read from P (`slices[i]`: slice i of `spec`, entry 0 the seed)
     with digests of our own copies of the units."""
     result = CheckResult()
     expected_seed = np.asarray(seeds, dtype=np.uint64)[spec.slice_index]
     unsealed = np.flatnonzero(slices[:, 0] != expected_seed)
-    bad_slice = set(unsealed.tolist())
     result.unsealed = [(int(spec.slice_group[i]), int(spec.slice_index[i])) for i in unsealed]
-    for k in range(spec.units):
-        s = int(spec.unit_slice[k])
-        if s in bad_slice:
-            continue
-        span = slice(int(spec.piece_starts[k]), int(spec.piece_starts[k + 1]))
-        got = digest_of(memory, spec.piece_addr[span], spec.piece_len[span], int(expected_seed[s]))
-        result.units += 1
-        result.hashed_bytes += int(spec.piece_len[span].sum())
-        want = int(slices[s, int(spec.unit_slot[k])])
-        if got != want:
-            result.mismatches.append((int(spec.slice_group[s]), int(spec.slice_index[s]),
-                                      int(spec.unit_slot[k]) - 1, want, got))
+    units = np.flatnonzero(~np.isin(spec.unit_slice, unsealed))
+    if not units.size:
+        return result
+    pieces, bounds = _unit_pieces(spec.piece_starts, units)
+    unit_slice = spec.unit_slice[units]
+    got = np.array(digests(memory, spec.piece_addr[pieces], spec.piece_len[pieces], bounds,
+                           [int(seed) for seed in expected_seed[unit_slice].tolist()]), dtype=np.uint64)
+    want = slices[unit_slice, spec.unit_slot[units]]
+    result.units = int(units.size)
+    result.hashed_bytes = int(spec.piece_len[pieces].sum())
+    for k in np.flatnonzero(got != want).tolist():
+        s = int(unit_slice[k])
+        result.mismatches.append((int(spec.slice_group[s]), int(spec.slice_index[s]),
+                                  int(spec.unit_slot[units[k]]) - 1, int(want[k]), int(got[k])))
     return result

@@ -119,12 +119,17 @@ class _Eligible:
     per_block: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Held:
+    """Some held units of one group, in slice order: their block indices and units, and their
+    local pieces (unit k's are `counts[k]` consecutive entries of `addr` / `length`)."""
+
     group: int
-    index: int
-    unit: int
-    pieces: list[tuple[int, int]]
+    index: IntArray
+    unit: IntArray
+    counts: IntArray
+    addr: IntArray
+    length: IntArray
 
 
 @dataclass(frozen=True, eq=False)
@@ -141,13 +146,25 @@ class _Found:
     spread: dict[int, list[tuple[int, int]]]
     partial: int
 
-    def take(self, positions: Sequence[int]) -> list[_Held]:
-        out = []
-        for k in positions:
-            pieces = [piece for r in range(k * self.per_unit, (k + 1) * self.per_unit)
+    def take(self, positions: IntArray) -> _Held:
+        per = self.per_unit
+        rows = (positions[:, None] * per + np.arange(per, dtype=np.int64)[None, :]).reshape(-1)
+        if not self.spread:  # every range in one descriptor: one piece per range
+            counts = np.full(positions.size, per, dtype=np.int64)
+            return _Held(self.group, self.index_of[positions], self.unit_of[positions], counts,
+                         self.local[rows], self.lengths[rows])
+        addrs: list[int] = []
+        lengths: list[int] = []
+        counts_list = []
+        for k in positions.tolist():
+            pieces = [piece for r in range(k * per, (k + 1) * per)
                       for piece in self.spread.get(r, [(int(self.local[r]), int(self.lengths[r]))])]
-            out.append(_Held(self.group, int(self.index_of[k]), int(self.unit_of[k]), pieces))
-        return out
+            counts_list.append(len(pieces))
+            addrs += [a for a, _ in pieces]
+            lengths += [n for _, n in pieces]
+        return _Held(self.group, self.index_of[positions], self.unit_of[positions],
+                     np.array(counts_list, dtype=np.int64), np.array(addrs, dtype=np.int64),
+                     np.array(lengths, dtype=np.int64))
 
 
 def _find(dg: DigestGeometry, block: _Eligible, indices: IntArray, units: IntArray | None,
@@ -199,10 +216,7 @@ def verify_spec(
     if held is None:
         found = [_find(dg, block, block.indices, None, located, num_tokens) for block in blocks]
         unverifiable = sum(f.partial for f in found)
-        if sample is None:
-            held = [h for f in found for h in f.take(f.held.tolist())]
-        else:
-            held = _pick(found, *sample)
+        held = [f.take(f.held) for f in found] if sample is None else _pick(found, *sample)
     return _spec(src_rank, dg, blocks, held, num_tokens, unverifiable)
 
 
@@ -229,9 +243,15 @@ def _sampled(dg: DigestGeometry, blocks: list[_Eligible], located: tuple[IntArra
 
 def _pick(found: list[_Found], rng: np.random.Generator, count: int) -> list[_Held]:
     """`count` of the held units at random, in slice order."""
-    pool = [(f, int(k)) for f in found for k in f.held.tolist()]
-    picked = sorted(rng.permutation(len(pool))[:count].tolist())
-    return [h for i in picked for h in pool[i][0].take([pool[i][1]])]
+    sizes = np.array([f.held.size for f in found], dtype=np.int64)
+    picked = np.sort(rng.permutation(int(sizes.sum()))[:count])
+    bounds = np.concatenate(([0], np.cumsum(sizes)))
+    out = []
+    for i, f in enumerate(found):
+        mine = picked[(picked >= bounds[i]) & (picked < bounds[i + 1])] - bounds[i]
+        if mine.size:
+            out.append(f.take(f.held[mine]))
+    return out
 
 
 def _spec(src_rank: int, dg: DigestGeometry, blocks: list[_Eligible], held: list[_Held], num_tokens: int,
@@ -248,20 +268,18 @@ def _spec(src_rank: int, dg: DigestGeometry, blocks: list[_Eligible], held: list
         ids.append(block.ids[block.indices])
         at += block.indices.size
 
-    def slice_of(h: _Held) -> int:
-        start, block = first_slice[h.group]
-        return start + int(np.searchsorted(block.indices, h.index))
-
     def joined(parts: list[IntArray]) -> IntArray:
         return np.concatenate(parts).astype(np.int64) if parts else _EMPTY
 
-    counts = np.array([len(h.pieces) for h in held], dtype=np.int64)
+    unit_slice = []
+    for h in held:
+        start, block = first_slice[h.group]
+        unit_slice.append(start + np.searchsorted(block.indices, h.index))
+    counts = joined([h.counts for h in held])
     return VerifySpec(
         src_rank, dg.layout, joined(groups), joined(seeds), joined(ids),
-        np.array([slice_of(h) for h in held], dtype=np.int64),
-        np.array([1 + h.unit for h in held], dtype=np.int64),
+        joined(unit_slice), joined([1 + h.unit for h in held]),
         np.concatenate(([0], np.cumsum(counts))).astype(np.int64),
-        np.array([a for h in held for a, _ in h.pieces], dtype=np.int64),
-        np.array([n for h in held for _, n in h.pieces], dtype=np.int64),
+        joined([h.addr for h in held]), joined([h.length for h in held]),
         unverifiable,
     )
