@@ -1,0 +1,155 @@
+"""Sliding-window models inside vLLM: P → D equals colocated, token for token.
+
+The model is a seeded-random Gemma-3-like text model (`kvlink vllm-models`: 3 layers with a
+window of 64 tokens, then 1 global layer; 1 KV head of 64, fp32, blocks of 32 tokens). With
+vLLM's hybrid KV-cache allocator on (its default with kvlink, which supports it) the layers
+form separate groups, a `SlidingWindowSpec` group per local layer and a `FullAttentionSpec`
+group, aliasing one allocation; vLLM's P frees the blocks behind the window to its null
+block 0 and D gives them no memory. kvlink ships the sliding groups' blocks inside the window
+only, and the full group's blocks whole: the test counts the bytes D's connector loaded.
+
+Prompts run from shorter than the window to many windows long; D's answer must equal a
+colocated vLLM's (same flags, no connector), and the colocated answers must differ from
+prompt to prompt (a seeded-random model whose text ignores the prompt would prove nothing).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import pytest
+from vllm_client import complete, metric, token_ids, wait_metric
+
+from kvlink.connector.secret import new_secret
+from kvlink.integrations.vllm.launch import VllmServerSpec, served_model
+from kvlink.integrations.vllm.models import TINY_SLIDING_WINDOW, tiny_gemma3_dir
+from kvlink.procs.launcher import Service
+
+if TYPE_CHECKING:
+    from tests.vllm.conftest import VllmServers
+
+pytestmark = pytest.mark.slow
+
+BLOCK = 32
+WINDOW = TINY_SLIDING_WINDOW
+LOCAL_LAYERS, GLOBAL_LAYERS = 3, 1
+PAGE_BYTES = BLOCK * 1 * 2 * 64 * 4  # one layer's block: 32 tokens, 1 KV head, K and V of 64, fp32
+VERIFIED = "vllm:kvlink_kv_verified_units_total"
+BYTES = "vllm:kvlink_bytes_transferred_sum"
+COUNT = "vllm:kvlink_bytes_transferred_count"
+PROMPTS = ["The last keeper of the lighthouse was",
+           " ".join(f"Line {i}: the tide came in over the rocks." for i in range(14)),
+           " ".join(f"Entry {i} of the keeper's log mentions a storm." for i in range(30))]
+# Prefill in chunks of 128 tokens (every server: the same flags): between chunks vLLM frees the
+# blocks behind the window, so P's long prompts hand over lists that start with null blocks.
+ARGS = ["--max-num-batched-tokens", "128"]
+CHUNK = 128
+HITS = "vllm:prefix_cache_hits_total"
+PREFIX = " ".join(f"Note {i}: the lamp was trimmed at dusk." for i in range(20))
+EXTENDED = PREFIX + " Then the fog came and the bell rang all night."
+
+
+def tagged() -> list[str]:
+    return [f"({mode}) {p}" for mode in ("pull", "push") for p in PROMPTS] + [PREFIX, EXTENDED]
+
+
+def expected_bytes(num_tokens: int, computed: int = 0) -> int:
+    """KV bytes D loads for a prompt of `num_tokens` (D recomputes the last) over a prefix hit
+    of `computed` tokens: the global layer's blocks from the hit on, each local layer's from
+    the block holding the first token the recomputed one attends to (vLLM's window ends at
+    the attending position), and never a block D already holds."""
+    shipped = num_tokens - 1
+    last_block = -(-shipped // BLOCK)
+    window_block = max(0, num_tokens - WINDOW) // BLOCK
+    hit_block = computed // BLOCK
+    full = max(0, last_block - hit_block)
+    local = max(0, last_block - max(hit_block, window_block))
+    return (GLOBAL_LAYERS * full + LOCAL_LAYERS * local) * PAGE_BYTES
+
+
+@dataclass
+class Pair:
+    p: Service
+    d: Service
+    model: str
+
+    def tokens(self, prompt: str) -> int:
+        resp = httpx.post(self.d.url + "/tokenize", json={"model": self.model, "prompt": prompt}, timeout=10)
+        return len(resp.json()["tokens"])
+
+    def run(self, prompt: str, mode: str) -> tuple[list[int], dict[str, Any], float]:
+        """D's greedy token ids after P prefilled `prompt`, P's params, and the KV bytes D's
+        connector loaded (in push mode P posts the writes: D counts none)."""
+        first = complete(self.p.url, self.model, prompt, max_tokens=1, stream=False,
+                         kv_transfer_params={"do_remote_decode": True, "transfer_mode": mode})
+        assert first.status_code == 200, first.text
+        params = first.json()["kv_transfer_params"]
+        before, count = metric(self.d.url, BYTES), metric(self.d.url, COUNT)
+        ids = token_ids(complete(self.d.url, self.model, prompt, kv_transfer_params=params))
+        deadline = time.monotonic() + (5 if mode == "pull" else 0)
+        while metric(self.d.url, COUNT) == count and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return ids, params, metric(self.d.url, BYTES) - before
+
+
+@pytest.fixture(scope="module")
+def gemma_dir() -> Path:
+    return tiny_gemma3_dir()
+
+
+@pytest.fixture(scope="module")
+def references(vllm_servers: VllmServers, gemma_dir: Path) -> dict[str, list[int]]:
+    spec = VllmServerSpec(model=gemma_dir, port=vllm_servers.http_port(), block_size=BLOCK, cores="0",
+                          enforce_eager=True, args=ARGS, name="swa-colocated")
+    return vllm_servers.colocated_token_ids(spec, tagged())
+
+
+@pytest.fixture(scope="module")
+def pair(vllm_servers: VllmServers, gemma_dir: Path, references: dict[str, list[int]]) -> Iterator[Pair]:
+    secret = new_secret()
+    for services in vllm_servers.serve(*(
+            vllm_servers.kvlink_spec(gemma_dir, f"swa-{name}", cores, secret, block_size=BLOCK, args=ARGS)
+            for name, cores in (("p", "0"), ("d", "1")))):
+        p, d = services
+        yield Pair(p, d, served_model(p.url))
+
+
+def test_greedy_text_follows_the_prompt(references: dict[str, list[int]]) -> None:
+    answers = [tuple(references[f"(pull) {p}"]) for p in PROMPTS] + [tuple(references[PREFIX])]
+    assert len(set(answers)) == len(answers)
+    assert len({a[0] for a in answers}) > 1
+    assert all(len(set(a)) > 1 for a in answers)  # not one token over and over
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("index", range(len(PROMPTS)))
+def test_sliding_pd_equals_colocated(pair: Pair, references: dict[str, list[int]], mode: str, index: int) -> None:
+    prompt = f"({mode}) {PROMPTS[index]}"
+    checked = metric(pair.d.url, VERIFIED)
+    ids, params, nbytes = pair.run(prompt, mode)
+    n = pair.tokens(prompt)
+    assert len(params["remote_block_ids"]) == LOCAL_LAYERS + GLOBAL_LAYERS  # one list per KV-cache group
+    if n > 2 * CHUNK:  # P freed what lay behind the window: its sliding lists start with null blocks
+        assert sum(ids_[0] == 0 for ids_ in params["remote_block_ids"]) == LOCAL_LAYERS
+    assert ids == references[prompt]
+    if mode == "pull":
+        assert nbytes == expected_bytes(n)
+    assert wait_metric(pair.d.url, VERIFIED, checked) > checked  # D checked P's digests
+
+
+def test_d_prefix_hit_moves_only_the_missing_part(pair: Pair, references: dict[str, list[int]]) -> None:
+    ids, _, first_bytes = pair.run(PREFIX, "pull")
+    assert ids == references[PREFIX]
+    assert first_bytes == expected_bytes(pair.tokens(PREFIX))
+    hits = metric(pair.d.url, HITS)
+    ids, _, nbytes = pair.run(EXTENDED, "pull")
+    assert ids == references[EXTENDED]
+    hit = int(metric(pair.d.url, HITS) - hits)  # tokens of D's own prefix cache, as vLLM counted them
+    assert hit > 0 and hit % BLOCK == 0
+    assert nbytes == expected_bytes(pair.tokens(EXTENDED), hit)
+    assert 0 < nbytes < expected_bytes(pair.tokens(EXTENDED))
