@@ -50,12 +50,21 @@ PROMPTS = ["The last keeper of the lighthouse was",
 ARGS = ["--max-num-batched-tokens", "128"]
 CHUNK = 128
 HITS = "vllm:prefix_cache_hits_total"
+OFF_ARGS = [*ARGS, "--disable-hybrid-kv-cache-manager", "--no-enable-prefix-caching"]
 PREFIX = " ".join(f"Note {i}: the lamp was trimmed at dusk." for i in range(20))
 EXTENDED = PREFIX + " Then the fog came and the bell rang all night."
 
 
 def tagged() -> list[str]:
-    return [f"({mode}) {p}" for mode in ("pull", "push") for p in PROMPTS] + [PREFIX, EXTENDED]
+    return ([f"({mode}) {p}" for mode in ("pull", "push") for p in PROMPTS] + [PREFIX, EXTENDED]
+            + [between(direction, mode) for direction in DIRECTIONS for mode in ("pull", "push")])
+
+
+DIRECTIONS = ("64->32", "32->64")
+
+
+def between(direction: str, mode: str) -> str:
+    return f"({mode} {direction}) {PROMPTS[2]}"
 
 
 def expected_bytes(num_tokens: int, computed: int = 0) -> int:
@@ -73,7 +82,7 @@ def expected_bytes(num_tokens: int, computed: int = 0) -> int:
 
 
 @dataclass
-class Pair:
+class Servers:
     p: Service
     d: Service
     model: str
@@ -82,19 +91,21 @@ class Pair:
         resp = httpx.post(self.d.url + "/tokenize", json={"model": self.model, "prompt": prompt}, timeout=10)
         return len(resp.json()["tokens"])
 
-    def run(self, prompt: str, mode: str) -> tuple[list[int], dict[str, Any], float]:
+    def run(self, prompt: str, mode: str, p: Service | None = None, d: Service | None = None
+            ) -> tuple[list[int], dict[str, Any], float]:
         """D's greedy token ids after P prefilled `prompt`, P's params, and the KV bytes D's
         connector loaded (in push mode P posts the writes: D counts none)."""
-        first = complete(self.p.url, self.model, prompt, max_tokens=1, stream=False,
+        p, d = p or self.p, d or self.d
+        first = complete(p.url, self.model, prompt, max_tokens=1, stream=False,
                          kv_transfer_params={"do_remote_decode": True, "transfer_mode": mode})
         assert first.status_code == 200, first.text
         params = first.json()["kv_transfer_params"]
-        before, count = metric(self.d.url, BYTES), metric(self.d.url, COUNT)
-        ids = token_ids(complete(self.d.url, self.model, prompt, kv_transfer_params=params))
+        before, count = metric(d.url, BYTES), metric(d.url, COUNT)
+        ids = token_ids(complete(d.url, self.model, prompt, kv_transfer_params=params))
         deadline = time.monotonic() + (5 if mode == "pull" else 0)
-        while metric(self.d.url, COUNT) == count and time.monotonic() < deadline:
+        while metric(d.url, COUNT) == count and time.monotonic() < deadline:
             time.sleep(0.1)
-        return ids, params, metric(self.d.url, BYTES) - before
+        return ids, params, metric(d.url, BYTES) - before
 
 
 @pytest.fixture(scope="module")
@@ -110,13 +121,13 @@ def references(vllm_servers: VllmServers, gemma_dir: Path) -> dict[str, list[int
 
 
 @pytest.fixture(scope="module")
-def pair(vllm_servers: VllmServers, gemma_dir: Path, references: dict[str, list[int]]) -> Iterator[Pair]:
+def pair(vllm_servers: VllmServers, gemma_dir: Path, references: dict[str, list[int]]) -> Iterator[Servers]:
     secret = new_secret()
     for services in vllm_servers.serve(*(
             vllm_servers.kvlink_spec(gemma_dir, f"swa-{name}", cores, secret, block_size=BLOCK, args=ARGS)
             for name, cores in (("p", "0"), ("d", "1")))):
         p, d = services
-        yield Pair(p, d, served_model(p.url))
+        yield Servers(p, d, served_model(p.url))
 
 
 def test_greedy_text_follows_the_prompt(references: dict[str, list[int]]) -> None:
@@ -128,7 +139,7 @@ def test_greedy_text_follows_the_prompt(references: dict[str, list[int]]) -> Non
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
 @pytest.mark.parametrize("index", range(len(PROMPTS)))
-def test_sliding_pd_equals_colocated(pair: Pair, references: dict[str, list[int]], mode: str, index: int) -> None:
+def test_sliding_pd_equals_colocated(pair: Servers, references: dict[str, list[int]], mode: str, index: int) -> None:
     prompt = f"({mode}) {PROMPTS[index]}"
     checked = metric(pair.d.url, VERIFIED)
     ids, params, nbytes = pair.run(prompt, mode)
@@ -142,7 +153,7 @@ def test_sliding_pd_equals_colocated(pair: Pair, references: dict[str, list[int]
     assert wait_metric(pair.d.url, VERIFIED, checked) > checked  # D checked P's digests
 
 
-def test_d_prefix_hit_moves_only_the_missing_part(pair: Pair, references: dict[str, list[int]]) -> None:
+def test_d_prefix_hit_moves_only_the_missing_part(pair: Servers, references: dict[str, list[int]]) -> None:
     ids, _, first_bytes = pair.run(PREFIX, "pull")
     assert ids == references[PREFIX]
     assert first_bytes == expected_bytes(pair.tokens(PREFIX))
@@ -153,3 +164,41 @@ def test_d_prefix_hit_moves_only_the_missing_part(pair: Pair, references: dict[s
     assert hit > 0 and hit % BLOCK == 0
     assert nbytes == expected_bytes(pair.tokens(EXTENDED), hit)
     assert 0 < nbytes < expected_bytes(pair.tokens(EXTENDED))
+
+
+
+# The hybrid allocator off: one FullAttentionSpec group (with a sliding window) of all four
+# layers, every block kept, so the KV moves whole. Its servers, of 32- and 64-token blocks and
+# without prefix caching, answer a prompt themselves before they load that prompt's KV; between
+# block sizes D reads whole P blocks into staging pages and re-lays them out.
+@pytest.fixture(scope="module")
+def allocator_off(vllm_servers: VllmServers, gemma_dir: Path, pair: Servers) -> Iterator[dict[int, Service]]:
+    secret = new_secret()
+    for services in vllm_servers.serve(*(
+            vllm_servers.kvlink_spec(gemma_dir, f"swa-off-{block}", cores, secret, block_size=block, args=OFF_ARGS)
+            for block, cores in ((BLOCK, "0"), (2 * BLOCK, "1")))):
+        yield {BLOCK: services[0], 2 * BLOCK: services[1]}
+
+
+def test_allocator_off_answers_as_on(allocator_off: dict[int, Service], pair: Servers,
+                                     references: dict[str, list[int]]) -> None:
+    for server in allocator_off.values():
+        assert token_ids(complete(server.url, pair.model, PREFIX)) == references[PREFIX]
+
+
+@pytest.mark.parametrize("direction", [(BLOCK, 2 * BLOCK), (2 * BLOCK, BLOCK)], ids=["32->64", "64->32"])
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_allocator_off_pd_equals_colocated(allocator_off: dict[int, Service], pair: Servers,
+                                           direction: tuple[int, int], mode: str) -> None:
+    p_block, d_block = direction
+    p, d = allocator_off[p_block], allocator_off[d_block]
+    prompt = f"({mode} {p_block}->{d_block}) {PROMPTS[2]}"
+    expected = token_ids(complete(d.url, pair.model, prompt))  # D's own answer (no prefix caching)
+    checked = metric(d.url, VERIFIED)
+    ids, params, nbytes = pair.run(prompt, mode, p, d)
+    assert len(params["remote_block_ids"]) == 1 and 0 not in params["remote_block_ids"][0]
+    assert ids == expected
+    n = pair.tokens(prompt)
+    if mode == "pull":  # every layer's blocks, whole P blocks between block sizes
+        assert nbytes == -(-(n - 1) // p_block) * p_block * (LOCAL_LAYERS + GLOBAL_LAYERS) * PAGE_BYTES // BLOCK
+    assert wait_metric(d.url, VERIFIED, checked) > checked
