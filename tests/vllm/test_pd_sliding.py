@@ -15,15 +15,12 @@ prompt to prompt (a seeded-random model whose text ignores the prompt would prov
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import httpx
 import pytest
-from vllm_client import complete, metric, token_ids, wait_metric
+from vllm_client import PdPair, complete, metric, token_ids, wait_metric
 
 from kvlink.connector.secret import new_secret
 from kvlink.integrations.vllm.launch import VllmServerSpec, served_model
@@ -40,8 +37,6 @@ WINDOW = TINY_SLIDING_WINDOW
 LOCAL_LAYERS, GLOBAL_LAYERS = 3, 1
 PAGE_BYTES = BLOCK * 1 * 2 * 64 * 4  # one layer's block: 32 tokens, 1 KV head, K and V of 64, fp32
 VERIFIED = "vllm:kvlink_kv_verified_units_total"
-BYTES = "vllm:kvlink_bytes_transferred_sum"
-COUNT = "vllm:kvlink_bytes_transferred_count"
 PROMPTS = ["The last keeper of the lighthouse was",
            " ".join(f"Line {i}: the tide came in over the rocks." for i in range(14)),
            " ".join(f"Entry {i} of the keeper's log mentions a storm." for i in range(30))]
@@ -81,33 +76,6 @@ def expected_bytes(num_tokens: int, computed: int = 0) -> int:
     return (GLOBAL_LAYERS * full + LOCAL_LAYERS * local) * PAGE_BYTES
 
 
-@dataclass
-class Servers:
-    p: Service
-    d: Service
-    model: str
-
-    def tokens(self, prompt: str) -> int:
-        resp = httpx.post(self.d.url + "/tokenize", json={"model": self.model, "prompt": prompt}, timeout=10)
-        return len(resp.json()["tokens"])
-
-    def run(self, prompt: str, mode: str, p: Service | None = None, d: Service | None = None
-            ) -> tuple[list[int], dict[str, Any], float]:
-        """D's greedy token ids after P prefilled `prompt`, P's params, and the KV bytes D's
-        connector loaded (in push mode P posts the writes: D counts none)."""
-        p, d = p or self.p, d or self.d
-        first = complete(p.url, self.model, prompt, max_tokens=1, stream=False,
-                         kv_transfer_params={"do_remote_decode": True, "transfer_mode": mode})
-        assert first.status_code == 200, first.text
-        params = first.json()["kv_transfer_params"]
-        before, count = metric(d.url, BYTES), metric(d.url, COUNT)
-        ids = token_ids(complete(d.url, self.model, prompt, kv_transfer_params=params))
-        deadline = time.monotonic() + (5 if mode == "pull" else 0)
-        while metric(d.url, COUNT) == count and time.monotonic() < deadline:
-            time.sleep(0.1)
-        return ids, params, metric(d.url, BYTES) - before
-
-
 @pytest.fixture(scope="module")
 def gemma_dir() -> Path:
     return tiny_gemma3_dir()
@@ -121,13 +89,13 @@ def references(vllm_servers: VllmServers, gemma_dir: Path) -> dict[str, list[int
 
 
 @pytest.fixture(scope="module")
-def pair(vllm_servers: VllmServers, gemma_dir: Path, references: dict[str, list[int]]) -> Iterator[Servers]:
+def pair(vllm_servers: VllmServers, gemma_dir: Path, references: dict[str, list[int]]) -> Iterator[PdPair]:
     secret = new_secret()
     for services in vllm_servers.serve(*(
             vllm_servers.kvlink_spec(gemma_dir, f"swa-{name}", cores, secret, block_size=BLOCK, args=ARGS)
             for name, cores in (("p", "0"), ("d", "1")))):
         p, d = services
-        yield Servers(p, d, served_model(p.url))
+        yield PdPair(p, d, served_model(p.url))
 
 
 def test_greedy_text_follows_the_prompt(references: dict[str, list[int]]) -> None:
@@ -139,7 +107,7 @@ def test_greedy_text_follows_the_prompt(references: dict[str, list[int]]) -> Non
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
 @pytest.mark.parametrize("index", range(len(PROMPTS)))
-def test_sliding_pd_equals_colocated(pair: Servers, references: dict[str, list[int]], mode: str, index: int) -> None:
+def test_sliding_pd_equals_colocated(pair: PdPair, references: dict[str, list[int]], mode: str, index: int) -> None:
     prompt = f"({mode}) {PROMPTS[index]}"
     checked = metric(pair.d.url, VERIFIED)
     ids, params, nbytes = pair.run(prompt, mode)
@@ -153,7 +121,7 @@ def test_sliding_pd_equals_colocated(pair: Servers, references: dict[str, list[i
     assert wait_metric(pair.d.url, VERIFIED, checked) > checked  # D checked P's digests
 
 
-def test_d_prefix_hit_moves_only_the_missing_part(pair: Servers, references: dict[str, list[int]]) -> None:
+def test_d_prefix_hit_moves_only_the_missing_part(pair: PdPair, references: dict[str, list[int]]) -> None:
     ids, _, first_bytes = pair.run(PREFIX, "pull")
     assert ids == references[PREFIX]
     assert first_bytes == expected_bytes(pair.tokens(PREFIX))
@@ -172,7 +140,7 @@ def test_d_prefix_hit_moves_only_the_missing_part(pair: Servers, references: dic
 # without prefix caching, answer a prompt themselves before they load that prompt's KV; between
 # block sizes D reads whole P blocks into staging pages and re-lays them out.
 @pytest.fixture(scope="module")
-def allocator_off(vllm_servers: VllmServers, gemma_dir: Path, pair: Servers) -> Iterator[dict[int, Service]]:
+def allocator_off(vllm_servers: VllmServers, gemma_dir: Path, pair: PdPair) -> Iterator[dict[int, Service]]:
     secret = new_secret()
     for services in vllm_servers.serve(*(
             vllm_servers.kvlink_spec(gemma_dir, f"swa-off-{block}", cores, secret, block_size=block, args=OFF_ARGS)
@@ -180,7 +148,7 @@ def allocator_off(vllm_servers: VllmServers, gemma_dir: Path, pair: Servers) -> 
         yield {BLOCK: services[0], 2 * BLOCK: services[1]}
 
 
-def test_allocator_off_answers_as_on(allocator_off: dict[int, Service], pair: Servers,
+def test_allocator_off_answers_as_on(allocator_off: dict[int, Service], pair: PdPair,
                                      references: dict[str, list[int]]) -> None:
     for server in allocator_off.values():
         assert token_ids(complete(server.url, pair.model, PREFIX)) == references[PREFIX]
@@ -188,7 +156,7 @@ def test_allocator_off_answers_as_on(allocator_off: dict[int, Service], pair: Se
 
 @pytest.mark.parametrize("direction", [(BLOCK, 2 * BLOCK), (2 * BLOCK, BLOCK)], ids=["32->64", "64->32"])
 @pytest.mark.parametrize("mode", ["pull", "push"])
-def test_allocator_off_pd_equals_colocated(allocator_off: dict[int, Service], pair: Servers,
+def test_allocator_off_pd_equals_colocated(allocator_off: dict[int, Service], pair: PdPair,
                                            direction: tuple[int, int], mode: str) -> None:
     p_block, d_block = direction
     p, d = allocator_off[p_block], allocator_off[d_block]
