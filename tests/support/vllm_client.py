@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
+
+KV_BYTES = "vllm:kvlink_bytes_transferred_sum"
+KV_LOADS = "vllm:kvlink_bytes_transferred_count"
 
 
 def complete(url: str, model: str, prompt: str, max_tokens: int = 16, **extra: Any) -> httpx.Response:
@@ -61,3 +65,32 @@ def wait_idle(url: str, metrics_port: int, within_s: float, name: str = "") -> f
         if time.monotonic() - started > within_s:
             raise AssertionError(f"{name or url}: KV usage {usage}, kvlink holds {held} after {within_s:.0f}s")
         time.sleep(0.25)
+
+
+@dataclass
+class PdPair:
+    """A P and a D server (each with the `url` of a vLLM server) of one served `model`."""
+
+    p: Any
+    d: Any
+    model: str
+
+    def tokens(self, prompt: str) -> int:
+        resp = httpx.post(self.d.url + "/tokenize", json={"model": self.model, "prompt": prompt}, timeout=10)
+        return len(resp.json()["tokens"])
+
+    def run(self, prompt: str, mode: str, p: Any = None, d: Any = None) -> tuple[list[int], dict[str, Any], float]:
+        """D's greedy token ids after P prefilled `prompt` (`p`, `d`: other servers than the
+        pair's), P's params, and the KV bytes D's connector loaded (in push mode P posts the
+        writes: D counts none)."""
+        p, d = p or self.p, d or self.d
+        first = complete(p.url, self.model, prompt, max_tokens=1, stream=False,
+                         kv_transfer_params={"do_remote_decode": True, "transfer_mode": mode})
+        assert first.status_code == 200, first.text
+        params: dict[str, Any] = first.json()["kv_transfer_params"]
+        before, count = metric(d.url, KV_BYTES), metric(d.url, KV_LOADS)
+        ids = token_ids(complete(d.url, self.model, prompt, kv_transfer_params=params))
+        deadline = time.monotonic() + (5 if mode == "pull" else 0)
+        while metric(d.url, KV_LOADS) == count and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return ids, params, metric(d.url, KV_BYTES) - before

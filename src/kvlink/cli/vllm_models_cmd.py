@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-MODELS = ("smollm2", "tiny-llama-tp", "tiny-granite-hybrid", "tiny-llama-head80")
+MODELS = ("smollm2", "tiny-llama-tp", "tiny-granite-hybrid", "tiny-llama-head80", "tiny-gemma3-swa",
+          "tiny-mistral-swa")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

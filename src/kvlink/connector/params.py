@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 
 MAX_BLOCK_ID = 1 << 40
+NULL_BLOCK_ID = 0  # a placeholder that may repeat in a block list (see parse_remote_prefill)
 
 
 class InvalidTransferParams(ValueError):
@@ -85,7 +86,10 @@ def parse_remote_prefill(params: dict[str, Any]) -> RemotePrefillParams:
             raise InvalidTransferParams(
                 f"kv_transfer_params.remote_block_ids[{group}] has invalid block ids {bad[:5]}"
             )
-        if len(set(ids)) != len(ids):
+        # Engines may list one placeholder block for the blocks a group no longer holds (vLLM's
+        # null block 0: a sliding window's blocks behind the window); any other id is one block.
+        held = [b for b in ids if b != NULL_BLOCK_ID]
+        if len(set(held)) != len(held):
             raise InvalidTransferParams(f"kv_transfer_params.remote_block_ids[{group}] repeats a block id")
     if parsed.kv_expires_at_ms is not None and parsed.kv_expires_at_ms < 0:
         raise InvalidTransferParams("kv_transfer_params.kv_expires_at_ms must be >= 0")

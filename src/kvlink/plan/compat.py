@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvlink.layout.geometry import WorkerGeometry
+from kvlink.layout.page_order import DEFAULT_PAGE_ORDER
 from kvlink.layout.spec import ModelSpec
 from kvlink.plan.tp_mapping import model_parts
 
@@ -14,7 +15,9 @@ SUPPORTED = (
     "heads, layers and group kinds); each side's TP size either divides every sharded part's unit count (KV "
     "heads, SSM heads and groups) or is a multiple of it; each side's kernel block size "
     "divides its block size; both sides use the same intra-page element order (page order). "
-    "P and D TP sizes and block sizes may otherwise differ freely, in either direction."
+    "P and D TP sizes and block sizes may otherwise differ freely, in either direction (block sizes: "
+    "not for groups that share memory, as vLLM's hybrid KV cache does, with a page order that is not "
+    "token-major)."
 )
 
 
@@ -86,6 +89,21 @@ def page_order_mismatches(p_order: str, d_order: str) -> list[str]:
             f"equal intra-page orders"]
 
 
+def block_size_mismatches(p_geometry: WorkerGeometry, d_geometry: WorkerGeometry) -> list[str]:
+    """Why P's and D's kernel blocks cannot be paired: between different sizes, a page order
+    that is not token-major and groups that alias one allocation (vLLM's hybrid KV cache) is
+    a case whose chunked reads were seen to address past P's descriptor list inside vLLM."""
+    if (p_geometry.kernel_block_size == d_geometry.kernel_block_size
+            or d_geometry.page_order == DEFAULT_PAGE_ORDER
+            or not (p_geometry.aliased or d_geometry.aliased)):
+        return []
+    kinds = sorted({g.kind for g in d_geometry.model.groups})
+    return [f"block size: P's kernel blocks hold {p_geometry.kernel_block_size} tokens, D's "
+            f"{d_geometry.kernel_block_size}; kvlink moves KV between different block sizes with the "
+            f"{d_geometry.page_order!r} page order only for models whose groups do not share memory, and "
+            f"this model's {kinds} groups do (vLLM's hybrid KV cache): serve P and D with the same block size"]
+
+
 def _layer_kinds(model: ModelSpec) -> list[str]:
     return [model.groups[g].kind for g in model.layer_groups]
 
@@ -118,5 +136,6 @@ def check_compatible(
     p_geometry, d_geometry = _as_geometry("P", p_side), _as_geometry("D", d_side)
     problems = model_mismatches(p_geometry.model, d_geometry.model)
     problems += page_order_mismatches(p_geometry.page_order, d_geometry.page_order)
+    problems += block_size_mismatches(p_geometry, d_geometry)
     if problems:
         raise IncompatibleLayout(problems)

