@@ -153,3 +153,38 @@ def test_a_request_sealed_right_after_its_forward_is_not_hashed_again_at_its_sav
     finally:
         d.shutdown()
         p.shutdown()
+
+
+def test_a_load_that_cannot_start_fails_alone_and_the_worker_goes_on() -> None:
+    """An error while starting one load (here: the reader's start raising, as a planner bug
+    would) fails that request with the reason; the next load of the same step still runs."""
+    model = TINY_HYBRID
+    p_mem = real_worker(model, 1, 0, 16, 16, 32, seed=1)
+    d_mem = real_worker(model, 1, 0, 16, 16, 32, seed=2)
+    p = NixlWorker(ConnectorConfig("P", side_channel_port=0), model, 1, 0, 16, 16, 32)
+    d = NixlWorker(ConnectorConfig("D", side_channel_port=0, verify_kv="off"), model, 1, 0, 16, 16, 32)
+    try:
+        p.register_kv_caches(*region_sizes(p_mem))
+        d.register_kv_caches(*region_sizes(d_mem))
+        p_ids = [[5, 9, 2], [7]]
+        p.start_load_kv(StepMetadata(saves=[{"request_id": "p1", "block_ids": p_ids}]))
+        assert d.pull is not None
+        real_start = d.pull.start
+
+        def start(engine, entry):  # type: ignore[no-untyped-def]
+            if entry["request_id"] == "bad":
+                raise IndexError("descriptor ids must lie in [0, 10), got [12]")
+            return real_start(engine, entry)
+
+        d.pull.start = start  # type: ignore[method-assign]
+        base = {"remote_request_id": "p1", "remote_engine_id": "P", "remote_host": "127.0.0.1",
+                "remote_port": p.side_channel_port, "remote_tp_size": 1, "remote_block_ids": p_ids,
+                "transfer_mode": "pull", "local_computed_tokens": 0, "num_tokens": 39}
+        d.start_load_kv(StepMetadata(loads=[{**base, "request_id": "bad", "local_block_ids": [[1, 3, 30], [4]]},
+                                            {**base, "request_id": "good", "local_block_ids": [[6, 8, 10], [11]]}]))
+        outs = poll_until([d, p], lambda o: any("good" in x.finished_recving for x in o))
+        failed = {rid: f for x in outs for rid, f in x.load_failures.items()}
+        assert set(failed) == {"bad"} and "IndexError" in failed["bad"].reason
+    finally:
+        d.shutdown()
+        p.shutdown()

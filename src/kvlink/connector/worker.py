@@ -170,26 +170,36 @@ class NixlWorker(ConnectorWorker):
                                self.digest_slots)
         still: list[tuple[str, dict[str, Any]]] = []
         for kind, entry in self._waiting:
-            engine = self.directory.lookup(entry, self.geometry)
-            if engine is None:
-                still.append((kind, entry))
-                continue
-            engine.last_used = self.clock()
-            if kind == "load" and entry.get("transfer_mode") == "push" and engine.staged is None:
-                assert self.push is not None
-                if self.pull.same_incarnation(engine, entry):
-                    self.push.request_push(engine, entry)
-            elif kind == "load":
-                if entry.get("transfer_mode") == "push":
-                    # P's WRITE cannot re-layout pages between kernel block sizes: D reads
-                    # through its staging pages instead (P frees on the same notification).
-                    self.stats.count("push_as_staged_pull_total")
-                    entry = {**entry, "transfer_mode": "pull"}
-                if not self.pull.start(engine, entry):
+            try:
+                if not self._run(kind, entry):
                     still.append((kind, entry))
-            else:
-                self.notify(engine, entry, kind)
+            except Exception as exc:  # one entry's failure must not take the engine down
+                log.exception("request %s: %s could not start", entry.get("request_id"), kind)
+                self._give_up(kind, entry, f"kvlink could not start this {kind}: {type(exc).__name__}: {exc}",
+                              False)
         self._waiting = still
+
+    def _run(self, kind: str, entry: dict[str, Any]) -> bool:
+        """Run one waiting entry; False while it must wait (its engine not ready, no slots)."""
+        assert self.pull is not None and self.geometry is not None
+        engine = self.directory.lookup(entry, self.geometry)
+        if engine is None:
+            return False
+        engine.last_used = self.clock()
+        if kind == "load" and entry.get("transfer_mode") == "push" and engine.staged is None:
+            assert self.push is not None
+            if self.pull.same_incarnation(engine, entry):
+                self.push.request_push(engine, entry)
+        elif kind == "load":
+            if entry.get("transfer_mode") == "push":
+                # P's WRITE cannot re-layout pages between kernel block sizes: D reads
+                # through its staging pages instead (P frees on the same notification).
+                self.stats.count("push_as_staged_pull_total")
+                entry = {**entry, "transfer_mode": "pull"}
+            return bool(self.pull.start(engine, entry))
+        else:
+            self.notify(engine, entry, kind)
+        return True
 
     def _fail_waiting(self, engine_id: str, reason: str, bad_params: bool) -> None:
         keep = []
