@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-MODELS = ("smollm2", "tiny-llama-tp", "tiny-granite-hybrid", "tiny-llama-head80")
+MODELS = ("smollm2", "tiny-llama-tp", "tiny-granite-hybrid", "tiny-llama-head80", "tiny-deepseek-mla")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

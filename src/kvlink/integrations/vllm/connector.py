@@ -34,6 +34,7 @@ from kvlink.integrations.vllm.layout import (
     storage_dtype,
     with_kv_dtype,
 )
+from kvlink.integrations.vllm.mla import MLA_KIND, mla_group, mla_model_spec, mla_page_order
 from kvlink.integrations.vllm.options import (
     agent_config,
     connector_config,
@@ -75,7 +76,8 @@ def _model_name(vllm_config: VllmConfig) -> str:
 
 
 SUPPORTED_GROUPS = ("one full-attention group (FullAttentionSpec), optionally with Mamba2 groups "
-                    "(MambaSpec, a hybrid model such as GraniteMoeHybrid) at TP 1")
+                    "(MambaSpec, a hybrid model such as GraniteMoeHybrid) at TP 1, or one MLA group alone "
+                    "(MLAAttentionSpec, a DeepSeek-V2/V3-like latent cache)")
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -91,7 +93,9 @@ def _kv_groups(kv_cache_config: KVCacheConfig | None) -> list[GroupInfo]:
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
         kind = type(spec).__name__
-        if kind == "FullAttentionSpec" and not getattr(spec, "sliding_window", None):
+        if kind == "MLAAttentionSpec":
+            out.append(mla_group(spec, tuple(group.layer_names), _dtype_name(spec.dtype)))
+        elif kind == "FullAttentionSpec" and not getattr(spec, "sliding_window", None):
             out.append(GroupInfo("attention", tuple(group.layer_names), _dtype_name(spec.dtype),
                                  num_kv_heads=int(spec.num_kv_heads), head_dim=int(spec.head_size),
                                  block_size=int(spec.block_size)))
@@ -105,6 +109,8 @@ def _kv_groups(kv_cache_config: KVCacheConfig | None) -> list[GroupInfo]:
         else:
             raise UnsupportedVllmLayout(f"kvlink: this model's KV cache groups are {kinds}; kvlink inside vLLM "
                                         f"moves {SUPPORTED_GROUPS}")
+    if [g.kind for g in out] == [MLA_KIND]:
+        return out
     if sum(g.kind == "attention" for g in out) != 1:
         raise UnsupportedVllmLayout(f"kvlink: this model's KV cache groups are {kinds}; kvlink inside vLLM "
                                     f"moves {SUPPORTED_GROUPS}")
@@ -131,10 +137,11 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
         if hybrid and parallel.tensor_parallel_size != 1:
             raise UnsupportedVllmLayout(f"kvlink: hybrid models inside vLLM move at TP 1 only; this engine "
                                         f"runs TP {parallel.tensor_parallel_size}")
-        spec = next(g for g in groups if g.kind == "attention")
+        spec = next(g for g in groups if g.kind in ("attention", MLA_KIND))
         dtype = spec.dtype
         self._spec, self._groups = spec, groups
-        model = model_spec(_model_name(vllm_config), groups, model_config.get_total_num_kv_heads())
+        model = (mla_model_spec(_model_name(vllm_config), spec) if spec.kind == MLA_KIND
+                 else model_spec(_model_name(vllm_config), groups, model_config.get_total_num_kv_heads()))
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -251,6 +258,13 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
         # vLLM's CPU_ATTN metadata builders set each layer's `isa` before the KV cache is
         # allocated: the kernel vLLM runs, hence the page order, is read, not re-derived.
         layers = self._attention_layers(spec.layer_names)
+        if spec.kind == MLA_KIND:
+            order = mla_page_order({name: layer.attn_backend.get_name() for name, layer in layers.items()})
+            _vllm_log.info("kvlink: vLLM's MLA layers run %s (latent %d of %s, block %d): page order %s",
+                           next(iter(layers.values())).attn_backend.get_name(), spec.head_dim, spec.dtype,
+                           spec.block_size, order)
+            self._work().register_mla_caches(kv_caches, order)
+            return
         isa = resolved_isa({name: (layer.attn_backend.get_name(), getattr(layer, "isa", None))
                             for name, layer in layers.items()})
         scales = sorted(set(self._work().model.kv_scales))

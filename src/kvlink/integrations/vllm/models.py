@@ -23,6 +23,7 @@ SMOLLM2_DIR = "smollm2-135m-instruct-f32"
 TINY_LLAMA_TP_DIR = "tiny-llama-tp-f32"
 TINY_GRANITE_HYBRID_DIR = "tiny-granite-hybrid-f32"
 TINY_LLAMA_HEAD80_DIR = "tiny-llama-head80-f32"
+TINY_DEEPSEEK_MLA_DIR = "tiny-deepseek-mla-bf16"
 SEED = 1234
 _DONE = ".kvlink-complete"
 
@@ -103,7 +104,8 @@ def _build_smollm2(out: Path) -> None:
     tok.save_pretrained(str(out))
 
 
-def _save_random(out: Path, config: Any, model_class: str, weight_scale: float = 1.0) -> None:
+def _save_random(out: Path, config: Any, model_class: str, weight_scale: float = 1.0,
+                 dtype: str = "float32") -> None:
     """Seeded-random weights; `weight_scale` multiplies the matrices, for configs whose default
     init answers the same tokens whatever the prompt."""
     import torch
@@ -114,7 +116,7 @@ def _save_random(out: Path, config: Any, model_class: str, weight_scale: float =
     config.bos_token_id, config.eos_token_id = tok.bos_token_id, tok.eos_token_id
     config.pad_token_id = tok.pad_token_id
     torch.manual_seed(SEED)
-    model = getattr(transformers, model_class)(config).to(torch.float32)
+    model = getattr(transformers, model_class)(config).to(getattr(torch, dtype))
     if weight_scale != 1.0:
         with torch.no_grad():
             for weight in model.parameters():
@@ -183,6 +185,34 @@ def _build_tiny_granite_hybrid(out: Path) -> None:
     _save_random(out, config, "GraniteMoeHybridForCausalLM")
 
 
+def _build_tiny_deepseek_mla(out: Path) -> None:
+    # vLLM's CPU MLA backends take bf16 weights and a latent of 512 + rope 64 (576) with
+    # v_head_dim 512 only. q_lora_rank None or tied embeddings answered only end-of-text
+    # tokens in vLLM; weights x4 make the greedy text follow the prompt.
+    transformers = _offline()
+    config = transformers.DeepseekV2Config(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=128,
+        kv_lora_rank=512,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=64,
+        v_head_dim=512,
+        first_k_dense_replace=2,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+    )
+    _save_random(out, config, "DeepseekV2ForCausalLM", weight_scale=4.0, dtype="bfloat16")
+
+
 def smollm2_hf_dir(cache_root: Path | None = None) -> Path:
     """SmolLM2-135M-Instruct as an fp32 HF dir (model + tokenizer), converted once (~20 s)."""
     return _cached(SMOLLM2_DIR, cache_root, _build_smollm2)
@@ -204,9 +234,16 @@ def tiny_granite_hybrid_dir(cache_root: Path | None = None) -> Path:
     return _cached(TINY_GRANITE_HYBRID_DIR, cache_root, _build_tiny_granite_hybrid)
 
 
+def tiny_deepseek_mla_dir(cache_root: Path | None = None) -> Path:
+    """Seeded-random DeepSeek-V2 (MLA: latent 512 + rope 64, q_lora_rank 128, 2 dense layers,
+    bf16, weights x4): vLLM's CPU build serves it on AMX_MLA (AMX) or CPU_MLA."""
+    return _cached(TINY_DEEPSEEK_MLA_DIR, cache_root, _build_tiny_deepseek_mla)
+
+
 BUILDERS: dict[str, Callable[[Path | None], Path]] = {
     "smollm2": smollm2_hf_dir,
     "tiny-llama-tp": tiny_llama_tp_dir,
     "tiny-granite-hybrid": tiny_granite_hybrid_dir,
     "tiny-llama-head80": tiny_llama_head80_dir,
+    "tiny-deepseek-mla": tiny_deepseek_mla_dir,
 }
