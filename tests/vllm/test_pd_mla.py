@@ -70,12 +70,17 @@ def references(vllm_servers: VllmServers, mla_dir: Path) -> dict[str, list[int]]
 
 
 @pytest.fixture(scope="module")
-def servers(vllm_servers: VllmServers, mla_dir: Path, references: dict[str, list[int]]) -> Iterator[list[Service]]:
-    secret = new_secret()
+def secret() -> str:
+    return new_secret()
+
+
+@pytest.fixture(scope="module")
+def servers(vllm_servers: VllmServers, mla_dir: Path, secret: str,
+            references: dict[str, list[int]]) -> Iterator[list[Service]]:
     yield from vllm_servers.serve(*(
         vllm_servers.kvlink_spec(mla_dir, f"mla-{name}-block{block}", core, secret, block_size=block,
                                  dtype="bfloat16")
-        for name, block, core in zip("abc", BLOCKS, ("0", "1", "1")[:len(BLOCKS)], strict=True)))
+        for name, block, core in zip("abc"[:len(BLOCKS)], BLOCKS, ("0", "1", "1")[:len(BLOCKS)], strict=True)))
 
 
 def pair(servers: list[Service], case: str) -> tuple[Service, Service]:
@@ -165,6 +170,29 @@ def test_d_prefix_hit_moves_only_the_missing_blocks(servers: list[Service],
     assert hit >= 2 and settled(d, before, want) == want
 
 
+# ---- heterogeneous TP: the latent is the same on every rank -----------------------------
+
+@pytest.fixture(scope="module")
+def tp2(vllm_servers: VllmServers, mla_dir: Path, secret: str, servers: list[Service]) -> Iterator[Service]:
+    """A TP 2 server (one core per rank) of the first server's block size, next to the TP 1 ones."""
+    yield from (s for (s,) in vllm_servers.serve(vllm_servers.kvlink_spec(
+        mla_dir, f"mla-tp2-block{BLOCKS[0]}", "0|1", secret, block_size=BLOCKS[0], dtype="bfloat16",
+        tensor_parallel_size=2)))
+
+
+@pytest.mark.parametrize("direction", ["2->1", "1->2"])
+def test_tp_pull_reads_the_latent_once_per_reader(servers: list[Service], tp2: Service,
+                                                  references: dict[str, list[int]], direction: str) -> None:
+    p, d = (tp2, servers[0]) if direction == "2->1" else (servers[0], tp2)
+    prompt = tagged("pull", "same", PROMPTS[2])
+    before = d_bytes(d)
+    got, tokens = run(p, d, prompt, "pull")
+    assert got == references[prompt]
+    # Each D rank reads the whole latent once, from one P rank (and only notifies the others).
+    readers = 2 if direction == "1->2" else 1
+    want = readers * -(-(tokens - 1) // BLOCKS[0]) * BLOCKS[0] * BYTES_PER_TOKEN
+    assert settled(d, before, want) == want
+
 # ---- vLLM's latent writes land where kvlink's MLA geometry says; refusals --------------
 
 def _write(backend: str, latent: Any, rope: Any, cache: Any, slots: Any) -> None:
@@ -245,6 +273,11 @@ def test_mla_groups_and_tensors_are_read_or_refused_naming_what_was_seen() -> No
     good = [LayerTensor(n, 4096 * (i + 1) ** 8, (10, 32, 576), (32 * 576, 576, 1), 2, "bfloat16")
             for i, n in enumerate(names)]
     assert check_mla_tensors(good, block_size=32, latent_dim=576, dtype="bfloat16")[1:] == ([368640] * 2, 10)
-    tiled = [LayerTensor(names[0], 4096, (10, 1, 32, 576), (32 * 576, 32 * 576, 576, 1), 2, "bfloat16")]
-    with pytest.raises(UnsupportedVllmLayout, match=r"shape \[10, 1, 32, 576\].*\[num_blocks, 32, 576\]"):
-        check_mla_tensors(tiled, block_size=32, latent_dim=576, dtype="bfloat16")
+    as_vllm = [LayerTensor(names[0], 4096, (10, 1, 32, 576), (32 * 576, 32 * 576, 576, 1), 2, "bfloat16")]
+    assert check_mla_tensors(as_vllm, block_size=32, latent_dim=576, dtype="bfloat16")[1:] == ([368640], 10)
+    heads = [LayerTensor(names[0], 4096, (10, 2, 32, 576), (64 * 576, 32 * 576, 576, 1), 2, "bfloat16")]
+    with pytest.raises(UnsupportedVllmLayout, match=r"shape \[10, 2, 32, 576\].*\[num_blocks, 1, 32, 576\]"):
+        check_mla_tensors(heads, block_size=32, latent_dim=576, dtype="bfloat16")
+    strided = [LayerTensor(names[0], 4096, (10, 32, 576), (32 * 577, 577, 1), 2, "bfloat16")]
+    with pytest.raises(UnsupportedVllmLayout, match=r"strides \[18464, 577, 1\]"):
+        check_mla_tensors(strided, block_size=32, latent_dim=576, dtype="bfloat16")

@@ -75,7 +75,8 @@ def mla_page_order(backends: Mapping[str, str]) -> str:
 def check_mla_tensors(tensors: Sequence[LayerTensor], *, block_size: int, latent_dim: int, dtype: str
                       ) -> tuple[list[int], list[int], int]:
     """(base addresses, byte sizes, num_blocks) of the layers' latent caches in layer order,
-    refusing views kvlink would misread: not `[B, block_size, latent]`, not contiguous, another
+    refusing views kvlink would misread: not `[B, 1, block_size, latent]` (vLLM registers the
+    latent as one KV head; `[B, block_size, latent]` is read too), not contiguous, another
     dtype, or different pool sizes."""
     if not tensors:
         raise UnsupportedVllmLayout("kvlink: vLLM registered no MLA latent caches")
@@ -85,10 +86,13 @@ def check_mla_tensors(tensors: Sequence[LayerTensor], *, block_size: int, latent
     for t in ordered:
         seen = f"layer {t.name!r}: shape {list(t.shape)}, strides {list(t.strides)}, dtype {t.dtype}"
         contiguous = (block_size * latent_dim, latent_dim, 1)
-        if len(t.shape) != 3 or tuple(t.shape[1:]) != (block_size, latent_dim) or tuple(t.strides) != contiguous:
+        shape, strides = tuple(t.shape), tuple(t.strides)
+        if len(shape) == 4 and shape[1] == 1:  # the one "head" of the latent: no stride of its own
+            shape, strides = shape[:1] + shape[2:], strides[:1] + strides[2:]
+        if len(shape) != 3 or shape[1:] != (block_size, latent_dim) or strides != contiguous:
             raise UnsupportedVllmLayout(
-                f"kvlink: {seen}; expected a contiguous MLA latent cache [num_blocks, {block_size}, {latent_dim}] "
-                f"with strides {list(contiguous)}")
+                f"kvlink: {seen}; expected a contiguous MLA latent cache [num_blocks, 1, {block_size}, "
+                f"{latent_dim}] with strides [{contiguous[0]}, any, {contiguous[1]}, 1]")
         if t.dtype != dtype or t.element_size != DTYPE_BYTES[dtype]:
             raise UnsupportedVllmLayout(f"kvlink: {seen}; expected dtype {dtype}")
         if t.shape[0] != num_blocks:
