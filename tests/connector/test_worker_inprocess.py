@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -28,6 +30,24 @@ def poll_until(workers: list[NixlWorker], cond, timeout_s: float = 10.0) -> list
             return outs
         time.sleep(0.001)
     raise AssertionError("condition not reached before the deadline")
+
+
+@contextlib.contextmanager
+def worker_pair(d_verify_kv: str) -> Iterator[tuple[sim.WorkerMemory, NixlWorker, NixlWorker]]:
+    """A P and a D worker of the tiny hybrid (block 16, 32 blocks) registered over real NIXL;
+    yields (P's memory, P, D) and shuts both down."""
+    model = TINY_HYBRID
+    p_mem = real_worker(model, 1, 0, 16, 16, 32, seed=1)
+    d_mem = real_worker(model, 1, 0, 16, 16, 32, seed=2)
+    p = NixlWorker(ConnectorConfig("P", side_channel_port=0), model, 1, 0, 16, 16, 32)
+    d = NixlWorker(ConnectorConfig("D", side_channel_port=0, verify_kv=d_verify_kv), model, 1, 0, 16, 16, 32)
+    try:
+        p.register_kv_caches(*region_sizes(p_mem))
+        d.register_kv_caches(*region_sizes(d_mem))
+        yield p_mem, p, d
+    finally:
+        d.shutdown()
+        p.shutdown()
 
 
 def test_pull_hybrid_tp1_bytes_match_and_p_frees() -> None:
@@ -115,13 +135,7 @@ def test_a_request_sealed_right_after_its_forward_is_not_hashed_again_at_its_sav
     (verify_kv full) checks every unit against those digests at its first READ."""
     model = TINY_HYBRID
     n = 40
-    p_mem = real_worker(model, 1, 0, 16, 16, 32, seed=1)
-    d_mem = real_worker(model, 1, 0, 16, 16, 32, seed=2)
-    p = NixlWorker(ConnectorConfig("P", side_channel_port=0), model, 1, 0, 16, 16, 32)
-    d = NixlWorker(ConnectorConfig("D", side_channel_port=0, verify_kv="full"), model, 1, 0, 16, 16, 32)
-    try:
-        p.register_kv_caches(*region_sizes(p_mem))
-        d.register_kv_caches(*region_sizes(d_mem))
+    with worker_pair("full") as (p_mem, p, d):
         rng = np.random.default_rng(4)
         logical = sim.make_logical(model, n, rng)
         p_ids = [np.array([5, 9, 2], dtype=np.int64), np.array([7], dtype=np.int64)]
@@ -150,22 +164,12 @@ def test_a_request_sealed_right_after_its_forward_is_not_hashed_again_at_its_sav
         p.seal_now([{**entry, "request_id": "p2"}])
         p.start_load_kv(StepMetadata(saves=[{**entry, "request_id": "p2", "block_ids": [[6, 9, 2], [7]]}]))
         assert p.stats.counters["kv_sealed_bytes_total"] > 2 * sealed
-    finally:
-        d.shutdown()
-        p.shutdown()
 
 
 def test_a_load_that_cannot_start_fails_alone_and_the_worker_goes_on() -> None:
     """An error while starting one load (here: the reader's start raising, as a planner bug
     would) fails that request with the reason; the next load of the same step still runs."""
-    model = TINY_HYBRID
-    p_mem = real_worker(model, 1, 0, 16, 16, 32, seed=1)
-    d_mem = real_worker(model, 1, 0, 16, 16, 32, seed=2)
-    p = NixlWorker(ConnectorConfig("P", side_channel_port=0), model, 1, 0, 16, 16, 32)
-    d = NixlWorker(ConnectorConfig("D", side_channel_port=0, verify_kv="off"), model, 1, 0, 16, 16, 32)
-    try:
-        p.register_kv_caches(*region_sizes(p_mem))
-        d.register_kv_caches(*region_sizes(d_mem))
+    with worker_pair("off") as (_, p, d):
         p_ids = [[5, 9, 2], [7]]
         p.start_load_kv(StepMetadata(saves=[{"request_id": "p1", "block_ids": p_ids}]))
         assert d.pull is not None
@@ -185,6 +189,3 @@ def test_a_load_that_cannot_start_fails_alone_and_the_worker_goes_on() -> None:
         outs = poll_until([d, p], lambda o: any("good" in x.finished_recving for x in o))
         failed = {rid: f for x in outs for rid, f in x.load_failures.items()}
         assert set(failed) == {"bad"} and "IndexError" in failed["bad"].reason
-    finally:
-        d.shutdown()
-        p.shutdown()

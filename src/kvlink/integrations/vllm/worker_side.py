@@ -32,6 +32,13 @@ log = logging.getLogger("kvlink.vllm")
 TORCH_DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 
 
+def layer_tensors(kv_caches: dict[str, Any]) -> list[LayerTensor]:
+    """vLLM's registered cache tensors as plain numbers (address, shape, strides, dtype)."""
+    return [LayerTensor(name, int(t.data_ptr()), tuple(t.shape), tuple(t.stride()), int(t.element_size()),
+                        TORCH_DTYPES.get(str(t.dtype), str(t.dtype)))
+            for name, t in kv_caches.items()]
+
+
 class WorkerSide:
     def __init__(self, config: ConnectorConfig, model: ModelSpec, *, tp_size: int, tp_rank: int,
                  head_dim: int, block_size: int, dtype: str,
@@ -52,11 +59,7 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict[str, Any], local_kv_heads: int, isa: str) -> None:
         """Register vLLM's KV views; `isa` is the CPU attention kernel vLLM resolved for them."""
-        tensors = [
-            LayerTensor(name, int(t.data_ptr()), tuple(t.shape), tuple(t.stride()), int(t.element_size()),
-                        TORCH_DTYPES.get(str(t.dtype), str(t.dtype)))
-            for name, t in kv_caches.items()
-        ]
+        tensors = layer_tensors(kv_caches)
         order = page_order_for(isa, self.dtype, self.block_size, self.head_dim)
         ssm_page_stride: int | None = None
         if self._groups is not None:
@@ -74,11 +77,7 @@ class WorkerSide:
 
     def register_mla_caches(self, kv_caches: dict[str, Any], order: str) -> None:
         """Register vLLM's MLA latent caches (`[blocks, block_size, latent]` per layer)."""
-        tensors = [
-            LayerTensor(name, int(t.data_ptr()), tuple(t.shape), tuple(t.stride()), int(t.element_size()),
-                        TORCH_DTYPES.get(str(t.dtype), str(t.dtype)))
-            for name, t in kv_caches.items()
-        ]
+        tensors = layer_tensors(kv_caches)
         bases, sizes, num_blocks = check_mla_tensors(tensors, block_size=self.block_size,
                                                      latent_dim=self.head_dim, dtype=self.dtype)
         self._start(bases, sizes, num_blocks, order, None)
