@@ -1,6 +1,9 @@
 """tiny-hybrid (attention + Mamba2) through P -> proxy -> D with heterogeneous TP, real processes:
 the greedy answer equals the colocated one token for token (SSM state and head-sharded KV moved),
-also when D's prefix cache already holds some or all of the shipped tokens."""
+also when D's prefix cache already holds some or all of the shipped tokens. P TP 1 -> D TP 2 runs
+the channel-first ("DS") conv state; P TP 2 -> D TP 1 the row-first one ("SD", vLLM's default),
+whose head slices are one piece per conv row. Both compute the same logits (unit-tested), so one
+colocated reference serves both."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import pytest
 from e2e_helpers import BLOCK_SIZE, assert_clean, cluster_for, completion_text, spec
 
 from kvlink.bench.cluster import Cluster
-from kvlink.layout.presets import TINY_HYBRID
+from kvlink.layout.presets import TINY_HYBRID, TINY_HYBRID_SD
 from kvlink.plan.report import EngineConfig, plan_report
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -31,10 +34,10 @@ def colocated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     yield from cluster_for(only, tmp_path_factory, "tiny-colocated")
 
 
-@pytest.fixture(scope="module", params=[(1, 2), (2, 1)], ids=["p1-d2", "p2-d1"])
+@pytest.fixture(scope="module", params=[(1, 2, MODEL), (2, 1, "tiny-hybrid-sd")], ids=["p1-d2", "p2-d1-sd"])
 def pd(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    p_tp, d_tp = request.param
-    yield from cluster_for(spec(MODEL, p_tp, d_tp, colocated=False), tmp_path_factory,
+    p_tp, d_tp, model = request.param
+    yield from cluster_for(spec(model, p_tp, d_tp, colocated=False), tmp_path_factory,
                            f"tiny-{p_tp}-{d_tp}")
 
 
@@ -53,7 +56,8 @@ def planned_bytes(cluster: Cluster, prompt_tokens: int, d_computed_tokens: int) 
     """What the planner says D's ranks read together for such a request."""
     p = EngineConfig(cluster.spec.prefill_tp, BLOCK_SIZE, BLOCK_SIZE)
     d = EngineConfig(cluster.spec.decode_tp, BLOCK_SIZE, BLOCK_SIZE)
-    report = plan_report(TINY_HYBRID, p, d, prompt_tokens, d_computed_tokens)
+    model = TINY_HYBRID_SD if cluster.spec.model == "tiny-hybrid-sd" else TINY_HYBRID
+    report = plan_report(model, p, d, prompt_tokens, d_computed_tokens)
     return sum(rank["bytes"] for rank in report["d_ranks"])
 
 

@@ -9,6 +9,7 @@ import torch
 
 from kvlink.engine.kv_cache import allocate_kv_caches
 from kvlink.engine.model.tiny_hybrid import TINY_HYBRID, TinyHybridModel
+from kvlink.layout.presets import TINY_HYBRID_SD
 
 BLOCK, KERNEL_BLOCK, NUM_BLOCKS, VOCAB = 8, 4, 6, 512
 
@@ -58,6 +59,28 @@ def test_ssm_state_changes_the_output(model: TinyHybridModel) -> None:
         caches[layer][5].zero_()
     state_lost = model.forward(tokens[5:], 5, tables, caches, block_size=BLOCK)
     assert not torch.allclose(reference, state_lost, atol=1e-3)
+
+
+def test_sd_conv_layout_computes_the_same_and_stores_the_transpose(model: TinyHybridModel) -> None:
+    """The row-first conv state is the same state: same logits, and its conv bytes are DS's transposed."""
+    sd = TinyHybridModel(vocab_size=VOCAB, seed=3, spec=TINY_HYBRID_SD)
+    tokens = torch.randint(0, VOCAB, (13,), generator=torch.Generator().manual_seed(5))
+    caches = {}
+    for name, m in (("DS", model), ("SD", sd)):
+        caches[name] = allocate_kv_caches(m.spec, 1, BLOCK, KERNEL_BLOCK, NUM_BLOCKS)
+        tables = _tables([4, 1], 2)
+        first = m.forward(tokens[:12], 0, tables, caches[name], block_size=BLOCK)
+        logits = torch.cat([first, m.forward(tokens[12:], 12, tables, caches[name], block_size=BLOCK)])
+        caches[name + "_logits"] = logits
+    torch.testing.assert_close(caches["SD_logits"], caches["DS_logits"], atol=1e-5, rtol=1e-5)
+    mamba = TINY_HYBRID.groups[1]
+    rows = mamba.conv_kernel - 1  # type: ignore[union-attr]
+    for layer in TINY_HYBRID.layers_of(1):
+        ds_page, sd_page = caches["DS"][layer][2], caches["SD"][layer][2]
+        conv = ds_page.numel() - 8 * 16 * 16  # the SSM state (heads, head_dim, d_state) follows the conv rows
+        torch.testing.assert_close(sd_page[:conv].view(rows, -1), ds_page[:conv].view(-1, rows).T)
+        assert not torch.equal(sd_page[:conv], ds_page[:conv])
+        torch.testing.assert_close(sd_page[conv:], ds_page[conv:])
 
 
 class _ThreadAllReduce:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import numpy as np
 import pytest
 
 from kvlink.layout.geometry import (
@@ -11,6 +14,7 @@ from kvlink.layout.geometry import (
     remote_sub_part_slice,
 )
 from kvlink.layout.presets import DEEPSEEK_MLA, LLAMA3_8B, PRESETS, TINY_HYBRID, preset
+from kvlink.layout.spec import Mamba2, ModelSpec
 
 
 def geometry(model=LLAMA3_8B, tp=1, rank=0, bs=16, kbs=16, blocks=10):  # type: ignore[no-untyped-def]
@@ -92,3 +96,49 @@ def test_bad_arguments_are_refused() -> None:
         geometry(tp=2, rank=2)
     with pytest.raises(ValueError, match="unknown preset"):
         preset("nope")
+
+
+def _sd_hybrid() -> ModelSpec:
+    return replace(TINY_HYBRID, groups=(TINY_HYBRID.groups[0], replace(TINY_HYBRID.groups[1], conv_layout="SD")))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_sd_conv_parts_address_vllms_row_first_state(tp: int) -> None:
+    """SD: a rank's conv state is `[rows, x_r | B_r | C_r]`; every part unit is found where that array puts it."""
+    model = _sd_hybrid()
+    mamba = model.groups[1]
+    assert isinstance(mamba, Mamba2)
+    rows, dt = mamba.conv_kernel - 1, 4
+    x_ch, bc_ch = mamba.num_heads * mamba.head_dim, mamba.n_groups * mamba.d_state
+    # The logical state, global channels x | B | C, value = row * 1000 + global channel.
+    logical = np.arange(rows)[:, None] * 1000 + np.arange(x_ch + 2 * bc_ch)[None, :]
+    for rank in range(tp):
+        xs = slice(rank * x_ch // tp, (rank + 1) * x_ch // tp)
+        bs = slice(x_ch + rank * bc_ch // tp, x_ch + (rank + 1) * bc_ch // tp)
+        cs = slice(x_ch + bc_ch + rank * bc_ch // tp, x_ch + bc_ch + (rank + 1) * bc_ch // tp)
+        rank_state = np.concatenate([logical[:, xs], logical[:, bs], logical[:, cs]], axis=1)  # vLLM's SD array
+        page = rank_state.astype(np.float32).tobytes()
+        ssm = geometry(model, tp=tp, rank=rank).ssm_regions[0]
+        assert [p.name for p in ssm.sub_parts[:4]] == ["conv_x.0", "conv_B.0", "conv_C.0", "conv_x.1"]
+        assert ssm.sub_parts[-1].offset == len(page)  # the SSM state follows the conv rows
+        for sub in ssm.sub_parts[:-1]:
+            name, row = sub.name.rsplit(".", 1)
+            base = {"conv_x": 0, "conv_B": x_ch, "conv_C": x_ch + bc_ch}[name]
+            per_unit = sub.unit_bytes // dt
+            first = sub.part.first_unit(rank, tp)
+            for slot in range(sub.length // sub.unit_bytes):
+                offset, length = remote_sub_part_slice(sub, slot, 1)
+                got = np.frombuffer(page[offset : offset + length], dtype=np.float32)
+                channels = base + (first + slot) * per_unit + np.arange(per_unit)
+                np.testing.assert_array_equal(got, int(row) * 1000 + channels)
+
+
+def test_sd_and_ds_specs_differ_and_round_trip() -> None:
+    sd = _sd_hybrid()
+    assert sd.compat_hash() != TINY_HYBRID.compat_hash()
+    assert ModelSpec.from_dict(sd.to_dict()) == sd
+    with pytest.raises(ValueError, match="conv_layout must be one of"):
+        ModelSpec.from_dict({**sd.to_dict(), "groups": [{"kind": "full"}, {**sd.to_dict()["groups"][1],
+                                                                            "conv_layout": "XY"}]})
+    with pytest.raises(ValueError, match="SD conv layout: at most"):
+        Mamba2(num_heads=2, head_dim=2, n_groups=1, d_state=2, conv_kernel=1000, conv_layout="SD")

@@ -24,6 +24,9 @@ UNITS = st.one_of(st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16]), st.integers(1, 16
 MIXES = ["full", "full+sliding", "full+mamba2", "mla", "full+gdn"]
 
 
+CONV_LAYOUT = st.sampled_from(["DS", "SD"])
+
+
 @st.composite
 def models(draw: st.DrawFn, mix: str | None = None) -> ModelSpec:
     mix = mix or draw(st.sampled_from(MIXES))
@@ -34,11 +37,13 @@ def models(draw: st.DrawFn, mix: str | None = None) -> ModelSpec:
         groups = [FullAttention(), SlidingWindow(window=draw(st.integers(1, 120)))]
     elif mix == "full+mamba2":
         groups = [FullAttention(), Mamba2(num_heads=draw(UNITS), head_dim=2, n_groups=draw(UNITS),
-                                          d_state=draw(st.sampled_from([2, 3])), conv_kernel=draw(st.integers(2, 4)))]
+                                          d_state=draw(st.sampled_from([2, 3])), conv_kernel=draw(st.integers(2, 4)),
+                                          conv_layout=draw(CONV_LAYOUT))]
     elif mix == "full+gdn":
         k_heads = draw(UNITS)
         groups = [FullAttention(), GDN(num_k_heads=k_heads, num_v_heads=k_heads * draw(st.sampled_from([1, 2])),
-                                       head_k_dim=2, head_v_dim=3, conv_kernel=draw(st.integers(2, 4)))]
+                                       head_k_dim=2, head_v_dim=3, conv_kernel=draw(st.integers(2, 4)),
+                                       conv_layout=draw(CONV_LAYOUT))]
     else:
         groups = [MLA(latent_dim=draw(st.sampled_from([3, 8])))]
     layers = draw(st.integers(len(groups), 4))

@@ -134,6 +134,19 @@ def test_model_mismatch_names_every_field() -> None:
         build_transfer_plan(d, {0: p})
 
 
+def test_conv_layout_mismatch_is_refused_naming_both_layouts() -> None:
+    sd = dataclasses.replace(TINY_HYBRID, groups=(TINY_HYBRID.groups[0],
+                                                  dataclasses.replace(TINY_HYBRID.groups[1], conv_layout="SD")))
+    d = worker(sd, 1, 0, 16, 16, 10, 1)
+    p = worker(TINY_HYBRID, 1, 0, 16, 16, 10, 0)
+    with pytest.raises(IncompatibleLayout) as info:
+        check_compatible(p.to_wire(), d.to_wire())
+    text = str(info.value)
+    assert "SSM conv state layout: P has 'DS', D has 'SD'" in text
+    assert "group parameters" not in text  # nothing else differs
+    check_compatible(worker(sd, 1, 0, 16, 16, 10, 0).to_wire(), d.to_wire())  # SD on both sides moves
+
+
 def _order_worker(model: ModelSpec, tp: int, rank: int, kbs: int, blocks: int, side: int,
                   order: str | None) -> WorkerGeometry:
     start = (1 + side * 16 + rank) << 36

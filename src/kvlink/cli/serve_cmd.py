@@ -24,13 +24,14 @@ from kvlink.layout.limits import (
     TP,
     Bound,
 )
-from kvlink.layout.presets import SMOLLM2_135M, TINY_HYBRID
+from kvlink.layout.presets import SMOLLM2_135M, TINY_HYBRID, TINY_HYBRID_SD
 from kvlink.layout.spec import ModelSpec
 from kvlink.layout.tensors import kv_pool_bytes
 from kvlink.serve.factory import MODEL_NAMES
 
 # The KV geometry each served model allocates (the engine builds its caches from these).
-SERVED_SPECS: dict[str, ModelSpec] = {"smollm2-135m": SMOLLM2_135M, "tiny-hybrid": TINY_HYBRID}
+SERVED_SPECS: dict[str, ModelSpec] = {"smollm2-135m": SMOLLM2_135M, "tiny-hybrid": TINY_HYBRID,
+                                     "tiny-hybrid-sd": TINY_HYBRID_SD}
 # The connector's own defaults and ranges, so the command line refuses what the config would.
 VERIFY_DEFAULT = ConnectorConfig.verify_kv
 SAMPLE_UNITS_DEFAULT = ConnectorConfig.verify_sample_units

@@ -10,7 +10,7 @@ if TYPE_CHECKING:  # torch loads only with a model, so CLI commands can list MOD
 
     from kvlink.engine.model.base import PagedModel
 
-MODEL_NAMES = ("smollm2-135m", "tiny-hybrid")
+MODEL_NAMES = ("smollm2-135m", "tiny-hybrid", "tiny-hybrid-sd")
 Progress = Callable[[str], None]
 AllReduce = Callable[["torch.Tensor"], None]
 
@@ -31,7 +31,12 @@ def load_model(
         model = LlamaModel(config, load_weights(path), tp_rank=tp_rank, tp_size=tp_size,
                            all_reduce=all_reduce)
         return LlamaPagedModel(model), config.max_position
-    if name == "tiny-hybrid":
-        progress(f"building tiny-hybrid: attention + Mamba2, seeded weights (rank {tp_rank}/{tp_size})")
-        return TinyHybridModel(tp_rank=tp_rank, tp_size=tp_size, all_reduce=all_reduce), 1 << 30
+    if name in ("tiny-hybrid", "tiny-hybrid-sd"):
+        from kvlink.layout.presets import TINY_HYBRID, TINY_HYBRID_SD
+
+        spec = TINY_HYBRID_SD if name == "tiny-hybrid-sd" else TINY_HYBRID
+        layout = spec.groups[1].conv_layout  # type: ignore[union-attr]
+        progress(f"building {name}: attention + Mamba2 (conv state {layout}), seeded weights "
+                 f"(rank {tp_rank}/{tp_size})")
+        return TinyHybridModel(tp_rank=tp_rank, tp_size=tp_size, all_reduce=all_reduce, spec=spec), 1 << 30
     raise ValueError(f"unknown model {name!r}; expected one of {', '.join(MODEL_NAMES)}")

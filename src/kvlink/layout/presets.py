@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from kvlink.layout.spec import MLA, FullAttention, Mamba2, ModelSpec
 
 LLAMA3_8B = ModelSpec(
@@ -29,8 +31,15 @@ TINY_HYBRID = ModelSpec(
     layer_groups=(0, 1, 0, 1),
 )
 
+# The same model with its conv state row-first ("SD", vLLM's default layout).
+TINY_HYBRID_SD = replace(
+    TINY_HYBRID, name="hybrid-mamba2-sd",
+    groups=(TINY_HYBRID.groups[0], Mamba2(num_heads=8, head_dim=16, n_groups=2, d_state=16, conv_kernel=4,
+                                          conv_layout="SD")),
+)
+
 PRESETS: dict[str, ModelSpec] = {
-    spec.name: spec for spec in (LLAMA3_8B, SMOLLM2_135M, DEEPSEEK_MLA, TINY_HYBRID)
+    spec.name: spec for spec in (LLAMA3_8B, SMOLLM2_135M, DEEPSEEK_MLA, TINY_HYBRID, TINY_HYBRID_SD)
 }
 
 

@@ -84,9 +84,19 @@ class MLA:
         check("MLA latent_dim", self.latent_dim, MODEL_DIM)
 
 
+ConvLayout = Literal["DS", "SD"]
+CONV_LAYOUTS: tuple[ConvLayout, ...] = ("DS", "SD")
+MAX_SD_CONV_KERNEL = 65
+
+
 @dataclass(frozen=True)
 class Mamba2:
-    """Mamba2 layer state: conv state over x | B | C (dim-first), then the SSM state."""
+    """Mamba2 layer state: conv state over x | B | C, then the SSM state.
+
+    `conv_layout` is how a rank stores its conv state of `conv_kernel - 1` rows over its
+    channels (x | B | C, each its own heads or groups): "DS" channel-first
+    `(channels, rows)`, "SD" row-first `(rows, channels)` (vLLM's default).
+    """
 
     num_heads: int
     head_dim: int
@@ -94,17 +104,17 @@ class Mamba2:
     d_state: int
     conv_kernel: int
     kind: Literal["mamba2"] = "mamba2"
+    conv_layout: ConvLayout = "DS"
 
     def __post_init__(self) -> None:
         _check_ssm_dims(self)
 
     def conv_parts(self) -> tuple[ShardedPart, ...]:
-        rows = self.conv_kernel - 1
-        return (
-            ShardedPart("conv_x", self.num_heads, self.head_dim * rows),
-            ShardedPart("conv_B", self.n_groups, self.d_state * rows),
-            ShardedPart("conv_C", self.n_groups, self.d_state * rows),
-        )
+        return _conv_parts(self.conv_layout, self.conv_kernel - 1, (
+            ("conv_x", self.num_heads, self.head_dim),
+            ("conv_B", self.n_groups, self.d_state),
+            ("conv_C", self.n_groups, self.d_state),
+        ))
 
     def state_part(self) -> ShardedPart:
         return ShardedPart("ssm_state", self.num_heads, self.head_dim * self.d_state)
@@ -112,7 +122,7 @@ class Mamba2:
 
 @dataclass(frozen=True)
 class GDN:
-    """Gated DeltaNet layer state: conv state over Q | K | V (dim-first), then the recurrent state."""
+    """Gated DeltaNet layer state: conv state over Q | K | V (`conv_layout` as for Mamba2), then the recurrent state."""
 
     num_k_heads: int
     num_v_heads: int
@@ -120,20 +130,34 @@ class GDN:
     head_v_dim: int
     conv_kernel: int
     kind: Literal["gdn"] = "gdn"
+    conv_layout: ConvLayout = "DS"
 
     def __post_init__(self) -> None:
         _check_ssm_dims(self)
 
     def conv_parts(self) -> tuple[ShardedPart, ...]:
-        rows = self.conv_kernel - 1
-        return (
-            ShardedPart("conv_Q", self.num_k_heads, self.head_k_dim * rows),
-            ShardedPart("conv_K", self.num_k_heads, self.head_k_dim * rows),
-            ShardedPart("conv_V", self.num_v_heads, self.head_v_dim * rows),
-        )
+        return _conv_parts(self.conv_layout, self.conv_kernel - 1, (
+            ("conv_Q", self.num_k_heads, self.head_k_dim),
+            ("conv_K", self.num_k_heads, self.head_k_dim),
+            ("conv_V", self.num_v_heads, self.head_v_dim),
+        ))
 
     def state_part(self) -> ShardedPart:
         return ShardedPart("ssm_state", self.num_v_heads, self.head_v_dim * self.head_k_dim)
+
+
+def _conv_parts(layout: ConvLayout, rows: int,
+                sub_projections: tuple[tuple[str, int, int], ...]) -> tuple[ShardedPart, ...]:
+    """The conv state's sharded parts in storage order.
+
+    DS: one part per sub-projection, a unit being one head's (or group's) channels with
+    all their rows. SD: each row repeats every sub-projection, so a unit is one head's
+    channels in one row, and the parts are `conv_x.0, conv_B.0, conv_C.0, conv_x.1, ...`.
+    """
+    if layout == "DS":
+        return tuple(ShardedPart(name, units, per_unit * rows) for name, units, per_unit in sub_projections)
+    return tuple(ShardedPart(f"{name}.{row}", units, per_unit)
+                 for row in range(rows) for name, units, per_unit in sub_projections)
 
 
 def _check_ssm_dims(group: Mamba2 | GDN) -> None:
@@ -141,8 +165,15 @@ def _check_ssm_dims(group: Mamba2 | GDN) -> None:
     for name, value in vars(group).items():
         if name == "conv_kernel":
             check(f"{group.kind} conv_kernel", value, int_range(2, MAX_MODEL_DIM))
+        elif name == "conv_layout":
+            if value not in CONV_LAYOUTS:
+                raise ValueError(f"{group.kind} conv_layout must be one of {list(CONV_LAYOUTS)}, got {value!r}")
         elif name != "kind":
             check(f"{group.kind} {name}", value, MODEL_DIM)
+    if group.conv_layout == "SD" and group.conv_kernel > MAX_SD_CONV_KERNEL:
+        # Each row of an SD conv state is its own set of parts (and descriptors).
+        raise ValueError(f"{group.kind} conv_kernel {group.conv_kernel} with the SD conv layout: at most "
+                         f"{MAX_SD_CONV_KERNEL} is supported (models use 2 to 5)")
 
 
 GroupSpec = FullAttention | SlidingWindow | MLA | Mamba2 | GDN

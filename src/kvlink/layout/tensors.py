@@ -50,14 +50,19 @@ def check_block_sizes(block_size: int, kernel_block_size: int) -> int:
 
 
 def ssm_page_slices(group: Mamba2 | GDN, tp_size: int) -> tuple[PageSlice, ...]:
-    """Conv sub-projections dim-first ([channels, conv_kernel-1] each), then the temporal state."""
+    """The conv state's parts in storage order, then the temporal state.
+
+    DS: each sub-projection `[channels, conv_kernel-1]`. SD: `[channels]` per sub-projection
+    per row (`conv_x.0, conv_B.0, ..., conv_x.1, ...`), together the `[rows, channels]` array.
+    """
     rows = group.conv_kernel - 1
     slices = []
     offset = 0
     for part in group.conv_parts():
-        channels = part.units_on_rank(tp_size) * part.unit_elems // rows
-        slices.append(PageSlice(part.name, offset, (channels, rows)))
-        offset += channels * rows
+        numel = part.units_on_rank(tp_size) * part.unit_elems
+        shape = (numel // rows, rows) if group.conv_layout == "DS" else (numel,)
+        slices.append(PageSlice(part.name, offset, shape))
+        offset += numel
     state = group.state_part()
     heads = state.units_on_rank(tp_size)
     if isinstance(group, Mamba2):

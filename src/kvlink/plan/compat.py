@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from kvlink.layout.geometry import WorkerGeometry
 from kvlink.layout.page_order import DEFAULT_PAGE_ORDER
-from kvlink.layout.spec import ModelSpec
+from kvlink.layout.spec import GDN, GroupSpec, Mamba2, ModelSpec
 from kvlink.plan.tp_mapping import model_parts
 
 SUPPORTED = (
@@ -66,11 +67,25 @@ def model_mismatches(p_model: ModelSpec, d_model: ModelSpec) -> list[str]:
     if p_kinds != d_kinds or p_model.layer_groups != d_model.layer_groups:
         found.append(f"group kinds per layer: P has {_layer_kinds(p_model)}, D has {_layer_kinds(d_model)}")
     elif p_model.groups != d_model.groups:
-        found.append(f"group parameters: P has {p_model.groups}, D has {d_model.groups}")
+        p_conv, d_conv = _conv_layouts(p_model), _conv_layouts(d_model)
+        if p_conv != d_conv:
+            found.append(f"SSM conv state layout: P has {p_conv!r}, D has {d_conv!r}; kvlink moves the conv "
+                         "state only between equal layouts: give P and D the same VLLM_SSM_CONV_STATE_LAYOUT "
+                         "(or leave it unset on both)")
+        if [_without_conv_layout(g) for g in p_model.groups] != [_without_conv_layout(g) for g in d_model.groups]:
+            found.append(f"group parameters: P has {p_model.groups}, D has {d_model.groups}")
     if p_model.kv_scales != d_model.kv_scales:
         found.append(f"KV cache scales (k_scale, v_scale): P has {_scales(p_model)}, D has {_scales(d_model)}; "
                      "quantized KV bytes decode only with the scales they were written with")
     return found or ["model spec hash differs"]
+
+
+def _conv_layouts(model: ModelSpec) -> str:
+    return ",".join(sorted({g.conv_layout for g in model.groups if isinstance(g, (Mamba2, GDN))}))
+
+
+def _without_conv_layout(group: GroupSpec) -> GroupSpec:
+    return replace(group, conv_layout="DS") if isinstance(group, (Mamba2, GDN)) else group
 
 
 def _scales(model: ModelSpec) -> str:

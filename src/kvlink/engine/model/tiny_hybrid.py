@@ -19,7 +19,7 @@ from kvlink.engine.model.base import kernel_block_table, physical_per_logical
 from kvlink.engine.paged_attention import paged_attention, rotate
 from kvlink.layout.presets import TINY_HYBRID
 from kvlink.layout.spec import FullAttention, Mamba2, ModelSpec
-from kvlink.layout.tensors import ssm_page_slices
+from kvlink.layout.tensors import PageSlice, ssm_page_slices
 
 AllReduce = Callable[[torch.Tensor], None]
 __all__ = ["TINY_HYBRID", "TinyHybridModel"]
@@ -72,6 +72,24 @@ class AttentionMixer:
         return F.linear(paged_attention(q, k, v, positions, kernel_table, cache), self.wo)
 
 
+def state_views(slices: tuple[PageSlice, ...], conv_layout: str, page: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Views of one SSM page: each conv sub-projection as `[channels, rows]` (strided for SD), the state."""
+    state = slices[-1]
+    views = {state.name: page[state.offset : state.offset + state.numel].view(state.shape)}
+    if conv_layout == "DS":
+        views.update({s.name: page[s.offset : s.offset + s.numel].view(s.shape) for s in slices[:-1]})
+        return views
+    names = list(dict.fromkeys(s.name.rsplit(".", 1)[0] for s in slices[:-1]))
+    widths = [s.numel for s in slices[: len(names)]]
+    rows = (len(slices) - 1) // len(names)
+    conv = page[: state.offset].view(rows, sum(widths))
+    start = 0
+    for name, width in zip(names, widths, strict=True):
+        views[name] = conv[:, start : start + width].T
+        start += width
+    return views
+
+
 class Mamba2Mixer:
     """Mamba2 mixer on this rank's heads and B/C groups; the state lives in one SSM page."""
 
@@ -100,7 +118,7 @@ class Mamba2Mixer:
         self.w_out = init.linear(hidden, d_inner)[:, x_rows]
         heads_per_group = heads // n_groups
         self.head_group = torch.arange(h0, h0 + hn) // heads_per_group - g0
-        self.slices = ssm_page_slices(group, tp)
+        self.slices, self.conv_layout = ssm_page_slices(group, tp), group.conv_layout
         self.heads, self.head_dim, self.d_state = hn, head_dim, d_state
 
     def _conv(self, new: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, fresh: bool) -> torch.Tensor:
@@ -113,7 +131,7 @@ class Mamba2Mixer:
 
     def __call__(self, x: torch.Tensor, page: torch.Tensor, fresh: bool) -> torch.Tensor:
         num_new = x.shape[0]
-        views = {s.name: page[s.offset : s.offset + s.numel].view(s.shape) for s in self.slices}
+        views = state_views(self.slices, self.conv_layout, page)
         xs = self._conv(F.linear(x, self.w_x), self.conv_x, views["conv_x"], fresh)
         b = self._conv(F.linear(x, self.w_b), self.conv_b, views["conv_B"], fresh)
         c = self._conv(F.linear(x, self.w_c), self.conv_c, views["conv_C"], fresh)
