@@ -3,8 +3,10 @@
 The model is a seeded-random dense GraniteMoeHybrid (3 Mamba2 layers, 1 attention layer).
 vLLM gives each layer its own KV-cache group, all aliasing one allocation; P computes the
 prompt but its last token (so the SSM state it hands over is the one after N-1 tokens) and
-D recomputes that token. All servers run with VLLM_SSM_CONV_STATE_LAYOUT=DS (kvlink moves the
-conv state channel-first) and without prefix caching: vLLM 0.32's CPU build crashes on hybrid
+D recomputes that token. P and D keep vLLM's default conv-state layout (row-first, "SD"; kvlink
+reads it from vLLM and moves it as it lies); the colocated reference runs channel-first
+(VLLM_SSM_CONV_STATE_LAYOUT=DS), so the equality also shows the two layouts compute the same.
+All run without prefix caching: vLLM 0.32's CPU build crashes on hybrid
 prompts longer than one block when prefix caching is on (IndexError in mamba_mixer2.py), so a
 D-side prefix hit on a hybrid model cannot run inside vLLM here; kvlink's own engine covers it.
 """
@@ -28,15 +30,18 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.slow
 
-HYBRID_ENV = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}
+COLOCATED_ENV = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}
 HYBRID_ARGS = ["--no-enable-prefix-caching"]
 PROMPTS = ["The last keeper of the lighthouse was",
            " ".join(f"Line {i}: the tide came in over the rocks." for i in range(14)),
            " ".join(f"Entry {i} of the keeper's log mentions a storm." for i in range(30))]
 
 
+TP_DIRECTIONS = ("2->1", "1->2")
+
+
 def tagged() -> list[str]:
-    return [f"({mode}) {p}" for mode in ("pull", "push") for p in PROMPTS]
+    return [f"({mode}) {p}" for mode in ("pull", "push", *TP_DIRECTIONS) for p in PROMPTS]
 
 
 @pytest.fixture(scope="module")
@@ -47,16 +52,20 @@ def hybrid_dir() -> Path:
 @pytest.fixture(scope="module")
 def references(vllm_servers: VllmServers, hybrid_dir: Path) -> dict[str, list[int]]:
     spec = VllmServerSpec(model=hybrid_dir, port=vllm_servers.http_port(), cores="0", enforce_eager=True,
-                          env=HYBRID_ENV, args=HYBRID_ARGS, name="hybrid-colocated")
+                          env=COLOCATED_ENV, args=HYBRID_ARGS, name="hybrid-colocated")
     return vllm_servers.colocated_token_ids(spec, tagged())
 
 
 @pytest.fixture(scope="module")
-def hybrid_pair(vllm_servers: VllmServers, hybrid_dir: Path,
+def secret() -> str:
+    return new_secret()
+
+
+@pytest.fixture(scope="module")
+def hybrid_pair(vllm_servers: VllmServers, hybrid_dir: Path, secret: str,
                 references: dict[str, list[int]]) -> Iterator[list[Service]]:
-    secret = new_secret()
     yield from vllm_servers.serve(*(
-        vllm_servers.kvlink_spec(hybrid_dir, f"hybrid-{name}", cores, secret, env=HYBRID_ENV, args=HYBRID_ARGS)
+        vllm_servers.kvlink_spec(hybrid_dir, f"hybrid-{name}", cores, secret, args=HYBRID_ARGS)
         for name, cores in (("p", "0"), ("d", "1"))))
 
 
@@ -78,3 +87,40 @@ def test_hybrid_pd_equals_colocated(hybrid_pair: list[Service], references: dict
     assert d.log_path.read_text(errors="replace").count("kvlink load ") == before + 1  # loaded, not recomputed
     # D checked P's digests (verify_kv's default) over the aliased pages: SSM state and attention.
     assert wait_metric(d.url, "vllm:kvlink_kv_verified_units_total", checked) > checked
+    for side in (p, d):  # both kept vLLM's default layout, and kvlink read it from vLLM
+        assert "keep their conv state SD" in side.log_path.read_text(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def hybrid_tp2(vllm_servers: VllmServers, hybrid_dir: Path, secret: str,
+               hybrid_pair: list[Service]) -> Iterator[Service]:
+    """A TP 2 server (one core per rank) in the pair's secret: P for hybrid-d, D for hybrid-p."""
+    spec = vllm_servers.kvlink_spec(hybrid_dir, "hybrid-tp2", "0|1", secret, args=HYBRID_ARGS, tensor_parallel_size=2)
+    vllm_servers.side_channel_port()  # rank 1 listens on the next port
+    (server,) = vllm_servers.start(spec)
+    yield server
+    vllm_servers.stop(server)
+
+
+@pytest.mark.parametrize("direction", TP_DIRECTIONS)
+@pytest.mark.parametrize("index", range(len(PROMPTS)))
+def test_hybrid_heterogeneous_tp_equals_colocated(hybrid_pair: list[Service], hybrid_tp2: Service,
+                                                  references: dict[str, list[int]], direction: str,
+                                                  index: int) -> None:
+    """Mamba2 heads, B/C groups and KV heads split over 2 ranks on one side, whole on the other:
+    each TP 1 rank reads both P ranks' halves (2->1), each TP 2 rank its half of one page (1->2)."""
+    p, d = (hybrid_tp2, hybrid_pair[1]) if direction == "2->1" else (hybrid_pair[0], hybrid_tp2)
+    model = served_model(p.url)
+    prompt = f"({direction}) {PROMPTS[index]}"
+    first = complete(p.url, model, prompt, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+    assert first.status_code == 200, first.text
+    params = first.json()["kv_transfer_params"]
+    before = d.log_path.read_text(errors="replace").count("kvlink load ")
+    assert token_ids(complete(d.url, model, prompt, kv_transfer_params=params)) == references[prompt]
+    assert d.log_path.read_text(errors="replace").count("kvlink load ") > before  # loaded, not recomputed
+
+
+def test_the_reference_text_depends_on_the_prompt(references: dict[str, list[int]]) -> None:
+    """A model answering the same tokens to every prompt would let a wrong SSM state pass unseen."""
+    firsts = {tuple(ids[:4]) for prompt, ids in references.items() if prompt.startswith("(pull)")}
+    assert len(firsts) == len(PROMPTS)

@@ -93,6 +93,23 @@ def _plain_attention(spec: Any) -> bool:
             and not getattr(spec, "extra_retained_tokens", 0))
 
 
+def _conv_state_layout() -> str:
+    """vLLM's conv-state layout for Mamba pages ("SD" by default, "DS" through its environment)."""
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+
+    return str(get_conv_state_layout())
+
+
+def _mamba_n_groups(model_config: Any) -> int | None:
+    """The model's Mamba2 B/C group count, as its config names it (None when it names none)."""
+    config = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
+    for key in ("mamba_n_groups", "n_groups"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 def _kv_groups(kv_cache_config: KVCacheConfig | None) -> list[GroupInfo]:
     """vLLM's KV-cache groups in kvlink's terms; refuses kinds kvlink cannot move exactly."""
     if kv_cache_config is None:
@@ -118,7 +135,7 @@ def _kv_groups(kv_cache_config: KVCacheConfig | None) -> list[GroupInfo]:
                                  conv_shape=tuple(int(x) for x in spec.shapes[0]),
                                  state_shape=tuple(int(x) for x in spec.shapes[1]),
                                  page_bytes=int(getattr(spec, "real_page_size_bytes", 0)),
-                                 page_stride=int(spec.page_size_bytes)))
+                                 page_stride=int(spec.page_size_bytes), conv_layout=_conv_state_layout()))
         else:
             raise UnsupportedVllmLayout(f"kvlink: this model's KV cache groups are {kinds}; kvlink inside vLLM "
                                         f"moves {SUPPORTED_GROUPS}")
@@ -147,17 +164,19 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
         kv_dtype = kv_dtype_for(cache.cache_dtype, _dtype_name(model_config.dtype))
         groups = with_kv_dtype(_kv_groups(kv_cache_config), kv_dtype)
         hybrid = len(groups) > 1
-        if hybrid and parallel.tensor_parallel_size != 1:
-            raise UnsupportedVllmLayout(f"kvlink: models of several KV-cache groups (hybrid) inside vLLM "
-                                        f"move at TP 1 only; this engine "
-                                        f"runs TP {parallel.tensor_parallel_size}")
+        tp_size = parallel.tensor_parallel_size
+        if hybrid and tp_size != 1 and not any(g.kind == "mamba2" for g in groups):
+            raise UnsupportedVllmLayout(f"kvlink: attention models of several KV-cache groups (sliding window, "
+                                        f"hybrid allocator on) inside vLLM move at TP 1 only; this engine "
+                                        f"runs TP {tp_size}")
         spec = next(g for g in groups if g.is_attention or g.kind == MLA_KIND)
         dtype = spec.dtype
         self._spec, self._groups = spec, groups
         self._attention_names = tuple(name for g in groups if g.is_attention or g.kind == MLA_KIND
                                       for name in g.layer_names)
         model = (mla_model_spec(_model_name(vllm_config), spec) if spec.kind == MLA_KIND
-                 else model_spec(_model_name(vllm_config), groups, model_config.get_total_num_kv_heads()))
+                 else model_spec(_model_name(vllm_config), groups, model_config.get_total_num_kv_heads(),
+                                 tp_size=tp_size, mamba_n_groups=_mamba_n_groups(model_config)))
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -174,13 +193,6 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
                 get_tensor_model_parallel_rank,
                 get_tensor_model_parallel_world_size,
             )
-            if any(g.kind == "mamba2" for g in groups):
-                from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
-
-                if get_conv_state_layout() != "DS":
-                    raise UnsupportedVllmLayout(
-                        f"kvlink: this hybrid model's conv state is laid out {get_conv_state_layout()!r}; kvlink "
-                        "moves it channel-first only: start P and D with VLLM_SSM_CONV_STATE_LAYOUT=DS")
             if storage_dtype(dtype) != dtype:
                 model = replace(model, kv_scales=self._kv_scales(spec.layer_names))
             self._worker = WorkerSide(
@@ -284,6 +296,9 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
         isa = resolved_isa({name: (layer.attn_backend.get_name(), getattr(layer, "isa", None))
                             for name, layer in layers.items()})
         scales = sorted(set(self._work().model.kv_scales))
+        conv = sorted({g.conv_layout for g in self._groups if g.kind == "mamba2"})
+        if conv:
+            _vllm_log.info("kvlink: vLLM's Mamba2 layers keep their conv state %s (moved as it lies)", "/".join(conv))
         _vllm_log.info("kvlink: vLLM's CPU_ATTN attention runs the %r kernel (KV cache %s, block %d, head size %d%s)",
                        isa, spec.dtype, spec.block_size, spec.head_dim,
                        f", k/v scales {scales}" if scales else "")

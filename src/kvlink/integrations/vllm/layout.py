@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from kvlink.layout.spec import (
+    CONV_LAYOUTS,
     DTYPE_BYTES,
     FullAttention,
     GroupSpec,
@@ -156,8 +157,9 @@ class GroupInfo:
 
     Attention ("attention", or "sliding" for a group whose layers all see the last
     `sliding_window` tokens): `num_kv_heads` on this rank, `head_dim`, `block_size`. Mamba2: the per-rank
-    conv state shape in DS order `(conv_dim, d_conv - 1)`, the SSM state shape
-    `(heads, head_dim, d_state)`, and its page: `page_bytes` of content every `page_stride`.
+    conv state shape as vLLM gives it in its `conv_layout` (DS `(conv_dim, d_conv - 1)`, SD
+    `(d_conv - 1, conv_dim)`), the SSM state shape `(heads, head_dim, d_state)`, and its page:
+    `page_bytes` of content every `page_stride`.
     """
 
     kind: str  # "attention" | "sliding" | "mamba2"
@@ -171,6 +173,7 @@ class GroupInfo:
     page_bytes: int = 0
     page_stride: int = 0
     sliding_window: int = 0
+    conv_layout: str = "DS"
 
     @property
     def is_attention(self) -> bool:
@@ -211,11 +214,17 @@ def with_kv_dtype(groups: Sequence[GroupInfo], kv_dtype: str) -> list[GroupInfo]
     return [replace(g, dtype=kv_dtype) for g in groups]
 
 
-def model_spec(name: str, groups: Sequence[GroupInfo], num_kv_heads_total: int) -> ModelSpec:
+def model_spec(name: str, groups: Sequence[GroupInfo], num_kv_heads_total: int, *, tp_size: int = 1,
+               mamba_n_groups: int | None = None) -> ModelSpec:
     """kvlink's model spec for vLLM's groups, in vLLM's group order (block ids come per group):
     one full-attention group, alone or with Mamba2 groups, or attention groups of which some
     see a sliding window (all of one head count, head size and dtype). The connector builds
-    it once, from vLLM's config, and hands it to its scheduler or worker side."""
+    it once, from vLLM's config, and hands it to its scheduler or worker side.
+
+    vLLM's shapes are one rank's of `tp_size`: Mamba2 heads are split over the ranks, and B/C
+    groups too, unless the model has one group, which every rank then holds (vLLM allows
+    no other split). A rank with one group cannot tell the two apart, so at TP > 1 the
+    model's own group count (`mamba_n_groups`, from its config) decides."""
     attention = attention_groups(groups)
     full = [g for g in attention if g.kind == "attention"]
     if not attention or (len(attention) != len(groups) and len(attention) != 1):
@@ -238,18 +247,23 @@ def model_spec(name: str, groups: Sequence[GroupInfo], num_kv_heads_total: int) 
         if g.kind == "sliding":
             specs.append(_window_spec(g))
             continue
+        if g.conv_layout not in CONV_LAYOUTS:
+            raise UnsupportedVllmLayout(f"kvlink: Mamba2 group {list(g.layer_names)}: conv state layout "
+                                        f"{g.conv_layout!r}; kvlink moves {list(CONV_LAYOUTS)}")
+        expected_conv = "(conv_dim, d_conv-1)" if g.conv_layout == "DS" else "(d_conv-1, conv_dim)"
         if len(g.conv_shape) != 2 or len(g.state_shape) != 3:
             raise UnsupportedVllmLayout(f"kvlink: Mamba2 group {list(g.layer_names)}: conv state {g.conv_shape}, "
-                                        f"SSM state {g.state_shape}; expected (conv_dim, d_conv-1) and "
-                                        "(heads, head_dim, d_state)")
+                                        f"SSM state {g.state_shape}; expected {expected_conv} ({g.conv_layout}) "
+                                        "and (heads, head_dim, d_state)")
         heads, head_dim, d_state = g.state_shape
-        conv_dim, rows = g.conv_shape
-        n_groups, rest = divmod(conv_dim - heads * head_dim, 2 * d_state)
-        if rest or n_groups <= 0:
+        conv_dim, rows = g.conv_shape if g.conv_layout == "DS" else g.conv_shape[::-1]
+        rank_groups, rest = divmod(conv_dim - heads * head_dim, 2 * d_state)
+        if rest or rank_groups <= 0:
             raise UnsupportedVllmLayout(f"kvlink: Mamba2 conv state of {conv_dim} channels does not split into "
                                         f"x ({heads}x{head_dim}) | B | C of groups of {d_state}")
-        specs.append(Mamba2(num_heads=heads, head_dim=head_dim, n_groups=n_groups, d_state=d_state,
-                            conv_kernel=rows + 1))
+        n_groups = _global_mamba_groups(g, rank_groups, tp_size, mamba_n_groups)
+        specs.append(Mamba2(num_heads=heads * tp_size, head_dim=head_dim, n_groups=n_groups, d_state=d_state,
+                            conv_kernel=rows + 1, conv_layout="DS" if g.conv_layout == "DS" else "SD"))
     layer_groups: dict[int, int] = {}
     for gi, g in enumerate(groups):
         for layer in g.layer_names:
@@ -259,12 +273,33 @@ def model_spec(name: str, groups: Sequence[GroupInfo], num_kv_heads_total: int) 
                       groups=tuple(specs), layer_groups=tuple(layer_groups[i] for i in sorted(layer_groups)))
     for g, spec in zip(groups, specs, strict=True):
         if isinstance(spec, Mamba2):
-            expected = ssm_page_elems(spec, 1) * DTYPE_BYTES[att.dtype]
+            expected = ssm_page_elems(spec, tp_size) * DTYPE_BYTES[att.dtype]
             if g.page_bytes != expected or g.dtype != att.dtype:
                 raise UnsupportedVllmLayout(
                     f"kvlink: Mamba2 page of {list(g.layer_names)} holds {g.page_bytes} bytes of {g.dtype}; kvlink's "
                     f"page for these shapes is {expected} bytes of {att.dtype} (conv state, then SSM state)")
     return model
+
+
+def _global_mamba_groups(g: GroupInfo, rank_groups: int, tp_size: int, config_groups: int | None) -> int:
+    """The model's B/C group count from one rank's, checked against the config's when given."""
+    if tp_size == 1:
+        found = rank_groups
+    elif config_groups is None:
+        if rank_groups == 1:
+            raise UnsupportedVllmLayout(
+                f"kvlink: Mamba2 group {list(g.layer_names)} holds 1 B/C group per rank at TP {tp_size}: the "
+                f"model has {tp_size} groups or 1 held by every rank, and its config names neither "
+                "(n_groups / mamba_n_groups)")
+        found = rank_groups * tp_size
+    else:
+        found = config_groups
+    expected_on_rank = found // tp_size if found % tp_size == 0 else (1 if found == 1 else 0)
+    if expected_on_rank != rank_groups:
+        raise UnsupportedVllmLayout(
+            f"kvlink: Mamba2 group {list(g.layer_names)}: {rank_groups} B/C groups per rank at TP {tp_size}, "
+            f"but the model has {found}; vLLM splits groups over the ranks or, for 1, gives it to every rank")
+    return found
 
 
 def check_hybrid_tensors(tensors: Sequence[LayerTensor], groups: Sequence[GroupInfo]

@@ -23,7 +23,7 @@ from typing import Any
 
 SMOLLM2_DIR = "smollm2-135m-instruct-f32"
 TINY_LLAMA_TP_DIR = "tiny-llama-tp-f32"
-TINY_GRANITE_HYBRID_DIR = "tiny-granite-hybrid-f32"
+TINY_GRANITE_HYBRID_DIR = "tiny-granite-hybrid-g2-f32"
 TINY_LLAMA_HEAD80_DIR = "tiny-llama-head80-f32"
 TINY_GEMMA3_DIR = "tiny-gemma3-swa-f32"
 TINY_MISTRAL_DIR = "tiny-mistral-swa-f32"
@@ -171,8 +171,8 @@ def _build_tiny_granite_hybrid(out: Path) -> None:
         hidden_size=128,
         num_hidden_layers=4,
         layer_types=["mamba", "mamba", "mamba", "attention"],
-        num_attention_heads=2,
-        num_key_value_heads=1,
+        num_attention_heads=4,  # 2 KV heads and 2 B/C groups: both split over TP 2
+        num_key_value_heads=2,
         position_embedding_type="rope",
         max_position_embeddings=2048,
         tie_word_embeddings=True,
@@ -183,7 +183,7 @@ def _build_tiny_granite_hybrid(out: Path) -> None:
         mamba_n_heads=4,
         mamba_d_head=64,
         mamba_d_state=16,
-        mamba_n_groups=1,
+        mamba_n_groups=2,
         mamba_d_conv=4,
         mamba_expand=2,
         mamba_chunk_size=256,
@@ -274,7 +274,8 @@ def tiny_llama_head80_dir(cache_root: Path | None = None) -> Path:
 
 
 def tiny_granite_hybrid_dir(cache_root: Path | None = None) -> Path:
-    """Seeded-random dense GraniteMoeHybrid (3 mamba layers + 1 attention layer); SmolLM2 tokenizer."""
+    """Seeded-random dense GraniteMoeHybrid (3 mamba layers + 1 attention layer; 4 query heads,
+    2 KV heads, 4 Mamba2 heads of 64, 2 B/C groups of state 16, conv kernel 4); SmolLM2 tokenizer."""
     return _cached(TINY_GRANITE_HYBRID_DIR, cache_root, _build_tiny_granite_hybrid)
 
 
