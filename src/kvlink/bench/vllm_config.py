@@ -3,8 +3,10 @@ and the reference prompts whose answers are compared with a colocated vLLM's."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 CONNECTORS = ("nixl", "kvlink")
 SAME_BLOCKS: tuple[tuple[int, int], ...] = ((128, 128),)
@@ -12,14 +14,51 @@ MIXED_BLOCKS: tuple[tuple[int, int], ...] = ((32, 128), (128, 32))
 
 
 @dataclass(frozen=True)
+class Family:
+    """A model family the bench can run: its tiny model (or SmolLM2), dtype, flags and block pairs."""
+
+    name: str
+    model: str  # a builder in kvlink.integrations.vllm.models
+    dtype: str
+    args: tuple[str, ...]
+    same_blocks: tuple[tuple[int, int], ...]
+    mixed_blocks: tuple[tuple[int, int], ...]
+    about: str
+
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    Family("dense", "smollm2_hf_dir", "float32", (), SAME_BLOCKS, MIXED_BLOCKS, "SmolLM2-135M fp32"),
+    # Interleaved sliding window, hybrid allocator on: kvlink refuses P block != D block there.
+    Family("swa", "tiny_gemma3_dir", "float32", (), SAME_BLOCKS, (),
+           "tiny Gemma-3-like: 3 sliding-window layers (window 64) + 1 global, fp32"),
+    # CPU_MLA takes block 16 only; pinned so that a machine with AMX runs the same backend.
+    Family("mla", "tiny_deepseek_mla_dir", "bfloat16", ("--attention-backend", "CPU_MLA"), ((16, 16),), (),
+           "tiny DeepSeek-V2-like MLA (latent 512 + rope 64), bf16, CPU_MLA"),
+    # vLLM 0.32's CPU build crashes on hybrid prompts past one block with prefix caching on.
+    Family("hybrid", "tiny_granite_hybrid_dir", "float32", ("--no-enable-prefix-caching",), SAME_BLOCKS, (),
+           "tiny GraniteMoeHybrid: 3 Mamba2 layers + 1 attention, fp32, vLLM's default SD conv state"),
+)}
+
+
+def family_model_dir(family: Family) -> Path:
+    """The family's model directory, built (seeded) on first use."""
+    from kvlink.integrations.vllm import models
+
+    build: Callable[[], Path] = getattr(models, family.model)
+    return Path(build())
+
+
+@dataclass(frozen=True)
 class Case:
     connector: str
     prefill_block: int
     decode_block: int
+    label: str = ""  # a NixlConnector setting's name, shown next to the connector
 
     @property
     def name(self) -> str:
-        return f"{self.connector} P{self.prefill_block}->D{self.decode_block}"
+        tag = f"{self.connector}[{self.label}]" if self.label else self.connector
+        return f"{tag} P{self.prefill_block}->D{self.decode_block}"
 
     @property
     def blocks(self) -> str:
@@ -45,10 +84,18 @@ class VllmBenchConfig:
     enforce_eager: bool = False
     verify_kv: str | None = None  # kvlink's KV integrity check (None: the connector's default)
     log_dir: Path = Path("bench-results/vllm/logs")
+    family: str = "dense"
+    dtype: str = "float32"
+    server_args: tuple[str, ...] = ()
+    # NixlConnector's settings beyond its defaults: kv_connector_extra_config keys, environment.
+    nixl_extra: dict[str, Any] = field(default_factory=dict)
+    nixl_env: dict[str, str] = field(default_factory=dict)
+    nixl_label: str = ""
 
     def cases(self) -> list[Case]:
         """Same-block cases first (every connector), then the heterogeneous ones."""
-        return [Case(c, p, d) for (p, d) in self.block_pairs for c in self.connectors]
+        return [Case(c, p, d, self.nixl_label if c == "nixl" else "")
+                for (p, d) in self.block_pairs for c in self.connectors]
 
 
 def default_model_dir() -> Path:

@@ -72,7 +72,7 @@ def run_case(config: VllmBenchConfig, case: Case, index: int, reference: list[st
                               "client": None, "transfer": None, "metrics_delta": None,
                               "answers": None, "idle_cpu": None, "error": None}
     ports = CasePorts.draw()
-    p_cfg, p_env, d_cfg, d_env = kv_setup(case, ports, secret, config.verify_kv)
+    p_cfg, p_env, d_cfg, d_env = kv_setup(case, ports, secret, config)
     log_dir = config.log_dir / case.name.replace(" ", "_").replace(">", "")
     servers: list[Service] = []
     model = str(config.model_dir)
@@ -124,8 +124,11 @@ def run_case(config: VllmBenchConfig, case: Case, index: int, reference: list[st
             progress(f"    /metrics after: {error}")
         answers = []
         for prompt, expected in zip(reference_prompts(), reference, strict=True):
+            seen = _kv_bytes(decode.url, prefix)
             got = complete(proxy.url, model, prompt, config.reference_tokens)
-            answers.append({**got, "equal": got["text"] == expected, "expected": expected})
+            moved = _kv_bytes(decode.url, prefix)
+            kv_bytes = moved - seen if moved is not None and seen is not None else None
+            answers.append({**got, "equal": got["text"] == expected, "expected": expected, "kv_bytes": kv_bytes})
         result["answers"] = answers
         progress(f"    answers equal to colocated: {answers_cell(result)}")
         time.sleep(2.0)
@@ -140,6 +143,14 @@ def run_case(config: VllmBenchConfig, case: Case, index: int, reference: list[st
             result["server_errors"] = errors[:5]
     progress(f"    case done in {time.monotonic() - started:.0f} s")
     return result
+
+
+def _kv_bytes(url: str, prefix: str) -> float | None:
+    """The connector's cumulative KV bytes on D (None when /metrics cannot be read)."""
+    try:
+        return scrape(url).get(prefix + "bytes_transferred_sum", 0.0)
+    except Exception:
+        return None
 
 
 def vllm_version() -> str:

@@ -66,6 +66,21 @@ def table_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+def kv_bytes_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """KV bytes D took per reference prompt (from the connector's bytes counter on D), by
+    prompt length: what each connector moves for a prompt of that many tokens."""
+    results: list[dict[str, Any]] = report["cases"]
+    header = ["reference prompt (tokens)", *(r["case"] for r in results)]
+    count = max((len(r.get("answers") or []) for r in results), default=0)
+    rows = []
+    for i in range(count):
+        answers = [(r.get("answers") or [])[i] if i < len(r.get("answers") or []) else {} for r in results]
+        tokens = next((a.get("prompt_tokens") for a in answers if a.get("prompt_tokens")), None)
+        rows.append([f"#{i + 1} ({fmt(tokens)})", *(
+            "-" if a.get("kv_bytes") is None else f"{a['kv_bytes'] / 1e3:.1f} kB" for a in answers)])
+    return header, rows
+
+
 def render_table(report: dict[str, Any]) -> str:
     header, rows = table_rows(report)
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
@@ -77,17 +92,29 @@ def render_table(report: dict[str, Any]) -> str:
     return "\n".join([line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)])
 
 
-def render_markdown(report: dict[str, Any]) -> str:
-    header, rows = table_rows(report)
+def _markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
     out = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
-    out += ["| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in rows]
+    return out + ["| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in rows]
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    out = _markdown_table(*table_rows(report))
     cfg = report.get("config", {})
+    kv_header, kv_rows = kv_bytes_rows(report)
+    if any(cell != "-" for row in kv_rows for cell in row[1:]):
+        out += ["", "KV bytes D took per reference prompt:", "", *_markdown_table(kv_header, kv_rows)]
     out.append("")
-    out.append(f"vLLM {report.get('vllm_version', '?')}, model {Path(str(cfg.get('model_dir', '?'))).name}, "
+    out.append(f"vLLM {report.get('vllm_version', '?')}, family {cfg.get('family', 'dense')}, "
+               f"model {Path(str(cfg.get('model_dir', '?'))).name} ({cfg.get('dtype', 'float32')}"
+               f"{', ' + ' '.join(cfg['server_args']) if cfg.get('server_args') else ''}), "
                f"{cfg.get('num_prompts')} prompts of {cfg.get('input_len')} tokens in / "
                f"{cfg.get('output_len')} out, concurrency {cfg.get('concurrency')}, seed "
                f"{cfg.get('seed')}{', --enforce-eager' if cfg.get('enforce_eager') else ''}; P core {cfg.get('cores', ['?'])[0]}, D core "
                f"{cfg.get('cores', ['?', '?'])[1]}; idle CPU sampled over {cfg.get('idle_s')} s.")
+    if cfg.get("nixl_extra") or cfg.get("nixl_env"):
+        out.append(f"NixlConnector{' [' + cfg['nixl_label'] + ']' if cfg.get('nixl_label') else ''}: "
+                   f"kv_connector_extra_config {json.dumps(cfg.get('nixl_extra') or {}, sort_keys=True)}, "
+                   f"environment {json.dumps(cfg.get('nixl_env') or {}, sort_keys=True)}.")
     checks = report.get("targets") or []
     if checks:
         out.append("")
@@ -190,7 +217,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
         ax.set_title(title)
         ax.legend(fontsize=8)
     cfg = report["config"]
-    fig.suptitle(f"1P1D in vLLM ({report.get('vllm_version')}): KvlinkConnector vs NixlConnector — "
+    fig.suptitle(f"1P1D in vLLM ({report.get('vllm_version')}, {cfg.get('family', 'dense')}): "
+                 f"KvlinkConnector vs NixlConnector — "
                  f"{cfg['num_prompts']} prompts, {cfg['input_len']} in / {cfg['output_len']} out, "
                  f"concurrency {cfg['concurrency']}", fontsize=10)
     fig.tight_layout()

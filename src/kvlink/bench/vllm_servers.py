@@ -42,13 +42,17 @@ class CasePorts:
         return cls(prefill=draw(), decode=draw(), proxy=draw(), side_prefill=draw(), side_decode=draw())
 
 
-def kv_setup(case: Case, ports: CasePorts, secret: str, verify_kv: str | None = None
+def kv_setup(case: Case, ports: CasePorts, secret: str, config: VllmBenchConfig
              ) -> tuple[dict[str, Any], dict[str, str], dict[str, Any], dict[str, str]]:
-    """(P config, P env, D config, D env) for the case's connector; `verify_kv` (kvlink only,
-    None: the connector's default) goes to both sides."""
+    """(P config, P env, D config, D env) for the case's connector: NixlConnector with the
+    bench's extra settings and environment, if any; kvlink with its `verify_kv` (None: the
+    connector's default) on both sides."""
+    verify_kv = config.verify_kv
     if case.connector == "nixl":
-        cfg = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
-        host = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
+        cfg: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+        if config.nixl_extra:
+            cfg["kv_connector_extra_config"] = dict(config.nixl_extra)
+        host = {**config.nixl_env, "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
         return (cfg, {**host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(ports.side_prefill)},
                 cfg, {**host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(ports.side_decode)})
     env = {"KVLINK_SECRET": secret}
@@ -69,7 +73,7 @@ def start_vllm(config: VllmBenchConfig, name: str, port: int, block_size: int, c
     spec = VllmServerSpec(model=config.model_dir, port=port, block_size=block_size, cores=str(core),
                           kv_transfer_config=kv_config, max_model_len=config.max_model_len,
                           enforce_eager=config.enforce_eager, env={**env, "PYTHONPATH": _pythonpath()},
-                          args=["--seed", "0"], name=name)
+                          dtype=config.dtype, args=["--seed", "0", *config.server_args], name=name)
     # From the temp dir: vLLM must never start from inside a vllm source tree.
     return launcher.start_process(spec.label, server_argv(spec), spec.url, log_dir, server_env(spec),
                                   cpus=[core], cwd=Path(tempfile.gettempdir()))
@@ -114,7 +118,10 @@ def complete(base_url: str, model: str, prompt: str, max_tokens: int,
     if response.status_code != 200:
         return {"status": response.status_code, "text": None, "error": response.text[:300]}
     try:
-        text = response.json()["choices"][0]["text"]
+        body = response.json()
+        text = body["choices"][0]["text"]
     except (ValueError, KeyError, IndexError, TypeError) as error:
         return {"status": 200, "text": None, "error": f"bad body: {error}: {response.text[:200]}"}
-    return {"status": 200, "text": text, "error": None}
+    usage = body.get("usage") if isinstance(body, dict) else None
+    prompt_tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    return {"status": 200, "text": text, "error": None, "prompt_tokens": prompt_tokens}

@@ -26,10 +26,36 @@ def _connectors(text: str) -> tuple[str, ...]:
     return names
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}: {error}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def _env_pair(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name or not name.replace("_", "").isalnum():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return name, value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvlink.bench.vllm_config import FAMILIES
+
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="dense",
+                        help="model family: " + "; ".join(f"{f.name}: {f.about}" for f in FAMILIES.values())
+                             + " (default dense)")
     parser.add_argument("--model-dir", type=Path, default=None,
-                        help="HF model directory (default: SmolLM2-135M from "
-                             "kvlink.integrations.vllm.models)")
+                        help="HF model directory (default: the family's model, built on first use)")
+    parser.add_argument("--nixl-extra", type=_json_object, default={}, metavar="JSON",
+                        help="NixlConnector's kv_connector_extra_config, e.g. '{\"num_threads\": 1}'")
+    parser.add_argument("--nixl-env", type=_env_pair, action="append", default=[], metavar="NAME=VALUE",
+                        help="environment for NixlConnector's servers (repeatable), e.g. UCX_TLS=cma,tcp")
+    parser.add_argument("--nixl-label", default="", help="a name for NixlConnector's settings in the report")
     parser.add_argument("--connectors", type=_connectors, default=CONNECTOR_NAMES,
                         help="comma-separated: nixl,kvlink (default both)")
     parser.add_argument("--num-prompts", type=ranged(COUNT), default=None,
@@ -39,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=ranged(CONCURRENCY), default=2)
     parser.add_argument("--seed", type=ranged(SEED), default=0)
     parser.add_argument("--same-blocks-only", action="store_true",
-                        help="only the P128->D128 case (no heterogeneous block sizes)")
+                        help="only the family's same-block case (no heterogeneous block sizes)")
     parser.add_argument("--idle-s", type=ranged(SECONDS), default=None,
                         help="idle CPU sampling window (default 10 s; --quick 5 s)")
     parser.add_argument("--startup-timeout-s", type=ranged(SECONDS), default=300.0)
@@ -51,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verify-kv", choices=VERIFY_MODES, default=None,
                         help="kvlink's KV integrity check (off, sample, full; default: the connector's)")
     parser.add_argument("--quick", action="store_true",
-                        help="4 prompts, only P128->D128, 5 s idle window")
+                        help="4 prompts, only the same-block case, 5 s idle window")
     parser.add_argument("--out-dir", type=Path, default=Path("bench-results/vllm"),
                         help="JSON, PNG, client results and server logs go here")
     parser.add_argument("--markdown", type=Path, default=None, help="also write the markdown table here")
@@ -68,12 +94,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvlink.bench.vllm_config import (
-        MIXED_BLOCKS,
-        SAME_BLOCKS,
-        VllmBenchConfig,
-        default_model_dir,
-    )
+    from kvlink.bench.vllm_config import FAMILIES, VllmBenchConfig, family_model_dir
     from kvlink.bench.vllm_pd import run_bench
     from kvlink.bench.vllm_report import refresh
 
@@ -81,8 +102,9 @@ def run(args: argparse.Namespace) -> int:
     if args.from_json is not None:
         report(refresh(json.loads(args.from_json.read_text())), args, out_dir, write=False)
         return 0
-    model_dir = args.model_dir if args.model_dir is not None else default_model_dir()
-    pairs = SAME_BLOCKS if args.quick or args.same_blocks_only else SAME_BLOCKS + MIXED_BLOCKS
+    family = FAMILIES[args.family]
+    model_dir = args.model_dir if args.model_dir is not None else family_model_dir(family)
+    pairs = family.same_blocks if args.quick or args.same_blocks_only else family.same_blocks + family.mixed_blocks
     config = VllmBenchConfig(
         model_dir=Path(model_dir).resolve(),
         num_prompts=args.num_prompts or (4 if args.quick else 16),
@@ -91,7 +113,9 @@ def run(args: argparse.Namespace) -> int:
         idle_s=args.idle_s or (5.0 if args.quick else 10.0),
         startup_timeout_s=args.startup_timeout_s, cores=(args.prefill_core, args.decode_core),
         enforce_eager=args.enforce_eager, verify_kv=args.verify_kv,
-        log_dir=(out_dir / "logs").resolve())
+        log_dir=(out_dir / "logs").resolve(), family=family.name, dtype=family.dtype,
+        server_args=family.args, nixl_extra=dict(args.nixl_extra), nixl_env=dict(args.nixl_env),
+        nixl_label=args.nixl_label or ("tuned" if args.nixl_extra or args.nixl_env else ""))
 
     def interrupted(signum: int, _frame: object) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
