@@ -179,6 +179,7 @@ def test_families_and_nixl_settings() -> None:
     ports = CasePorts.draw()
     p_cfg, p_env, d_cfg, _ = kv_setup(nixl, ports, "s", config)
     assert p_cfg["kv_connector_extra_config"] == {"num_threads": 1} and p_env["UCX_TLS"] == "cma,tcp"
+    assert d_cfg == p_cfg
     k_cfg, k_env, _, _ = kv_setup(kvlink, ports, "s", config)
     assert k_cfg["kv_connector"] == "KvlinkConnector" and "UCX_TLS" not in k_env
 
