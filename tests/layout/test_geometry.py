@@ -14,7 +14,7 @@ from kvlink.layout.geometry import (
     remote_sub_part_slice,
 )
 from kvlink.layout.presets import DEEPSEEK_MLA, LLAMA3_8B, PRESETS, TINY_HYBRID, preset
-from kvlink.layout.spec import Mamba2, ModelSpec
+from kvlink.layout.spec import GDN, FullAttention, Mamba2, ModelSpec
 
 
 def geometry(model=LLAMA3_8B, tp=1, rank=0, bs=16, kbs=16, blocks=10):  # type: ignore[no-untyped-def]
@@ -142,3 +142,20 @@ def test_sd_and_ds_specs_differ_and_round_trip() -> None:
                                                                             "conv_layout": "XY"}]})
     with pytest.raises(ValueError, match="SD conv layout: at most"):
         Mamba2(num_heads=2, head_dim=2, n_groups=1, d_state=2, conv_kernel=1000, conv_layout="SD")
+
+
+def test_an_fp32_state_next_to_a_bf16_conv_state_is_counted_in_its_own_bytes() -> None:
+    """vLLM's `--mamba-ssm-cache-dtype float32` on a bf16 model: conv parts 2 bytes an element, state 4."""
+    gdn = GDN(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8, conv_kernel=4, conv_layout="SD",
+              state_dtype="float32")
+    model = ModelSpec("q", 2, 8, "bfloat16", (FullAttention(), gdn), (0, 1))
+    for tp in (1, 2):
+        ssm = geometry(model, tp=tp).ssm_regions[0]
+        conv = [p for p in ssm.sub_parts if p.name != "ssm_state"]
+        state = ssm.sub_parts[-1]
+        conv_channels = (2 * 2 * 8 + 4 * 8) // tp
+        assert sum(p.length for p in conv) == 3 * conv_channels * 2
+        assert (state.offset, state.length, state.unit_bytes) == (3 * conv_channels * 2, 4 // tp * 64 * 4, 64 * 4)
+        assert ssm.page_len == state.offset + state.length
+    with pytest.raises(ValueError, match="state_dtype must be"):
+        replace(gdn, state_dtype="fp8_e4m3")

@@ -25,6 +25,7 @@ MIXES = ["full", "full+sliding", "full+mamba2", "mla", "full+gdn"]
 
 
 CONV_LAYOUT = st.sampled_from(["DS", "SD"])
+STATE_DTYPE = st.sampled_from(["", "float32"])  # "": the model's dtype; fp32 next to a bf16 conv state
 
 
 @st.composite
@@ -38,12 +39,12 @@ def models(draw: st.DrawFn, mix: str | None = None) -> ModelSpec:
     elif mix == "full+mamba2":
         groups = [FullAttention(), Mamba2(num_heads=draw(UNITS), head_dim=2, n_groups=draw(UNITS),
                                           d_state=draw(st.sampled_from([2, 3])), conv_kernel=draw(st.integers(2, 4)),
-                                          conv_layout=draw(CONV_LAYOUT))]
+                                          conv_layout=draw(CONV_LAYOUT), state_dtype=draw(STATE_DTYPE))]
     elif mix == "full+gdn":
         k_heads = draw(UNITS)
         groups = [FullAttention(), GDN(num_k_heads=k_heads, num_v_heads=k_heads * draw(st.sampled_from([1, 2])),
                                        head_k_dim=2, head_v_dim=3, conv_kernel=draw(st.integers(2, 4)),
-                                       conv_layout=draw(CONV_LAYOUT))]
+                                       conv_layout=draw(CONV_LAYOUT), state_dtype=draw(STATE_DTYPE))]
     else:
         groups = [MLA(latent_dim=draw(st.sampled_from([3, 8])))]
     layers = draw(st.integers(len(groups), 4))

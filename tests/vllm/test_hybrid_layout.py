@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
 
 from kvlink.integrations.vllm.layout import GroupInfo, UnsupportedVllmLayout, model_spec
-from kvlink.layout.spec import Mamba2
+from kvlink.layout.spec import GDN, Mamba2
 from kvlink.layout.tensors import ssm_page_elems
 
 # The tiny GraniteMoeHybrid: 4 Mamba2 heads of 64, B/C groups of state 16, conv kernel 4.
@@ -74,3 +75,44 @@ def test_a_page_of_another_size_is_refused() -> None:
 def test_an_unknown_conv_layout_is_refused() -> None:
     with pytest.raises(UnsupportedVllmLayout, match="conv state layout 'XY'"):
         model_spec("m", [replace(mamba(1, 2), conv_layout="XY"), attention(1)], 2)
+
+
+def gdn(tp: int, layout: str = "SD", dtype: str = "bfloat16") -> GroupInfo:
+    """The tiny Qwen3-Next's GDN group: 1 key head, 2 value heads, head dims 128, conv kernel 4."""
+    k_heads, v_heads, dim = 2 // tp if tp <= 2 else 1, 4 // tp, 128
+    conv_dim = 2 * k_heads * dim + v_heads * dim
+    page = (conv_dim * ROWS + v_heads * dim * dim) * 2
+    return GroupInfo("gdn", ("model.layers.0.linear_attn",), dtype,
+                     conv_shape=(conv_dim, ROWS) if layout == "DS" else (ROWS, conv_dim),
+                     state_shape=(v_heads, dim, dim), page_bytes=page, page_stride=page, conv_layout=layout)
+
+
+def bf16_attention(tp: int) -> GroupInfo:
+    return replace(attention(tp), dtype="bfloat16")
+
+
+@pytest.mark.parametrize("layout", ["DS", "SD"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_gdn_dims_are_read_off_the_conv_and_state_shapes(layout: str, tp: int) -> None:
+    spec = model_spec("q", [gdn(tp, layout), bf16_attention(tp)], 2, tp_size=tp).groups[0]
+    assert spec == GDN(num_k_heads=2, num_v_heads=4, head_k_dim=128, head_v_dim=128, conv_kernel=4,
+                       conv_layout=layout)
+
+
+def test_a_gdn_page_with_an_fp32_state_next_to_a_bf16_conv_state() -> None:
+    """vLLM's default for Qwen3-Next: the conv state in the model's bf16, the recurrent state fp32."""
+    group = gdn(1)
+    conv_bytes = ROWS * (2 * 2 * 128 + 4 * 128) * 2
+    mixed = replace(group, state_dtype="float32", page_bytes=conv_bytes + 4 * 128 * 128 * 4)
+    spec = model_spec("q", [mixed, bf16_attention(1)], 2).groups[0]
+    assert isinstance(spec, GDN) and spec.state_dtype == "float32"
+    with pytest.raises(UnsupportedVllmLayout, match=r"page of .* holds"):  # the fp32 state not counted
+        model_spec("q", [replace(mixed, page_bytes=group.page_bytes), bf16_attention(1)], 2)
+    with pytest.raises(UnsupportedVllmLayout, match="SSM state dtype int8"):
+        model_spec("q", [replace(mixed, state_dtype="int8"), bf16_attention(1)], 2)
+
+
+def test_a_gdn_conv_state_that_does_not_split_is_refused() -> None:
+    odd = replace(gdn(1), conv_shape=(ROWS, 2 * 2 * 128 + 4 * 128 + 64))
+    with pytest.raises(UnsupportedVllmLayout, match=re.escape("does not split into Q | K")):
+        model_spec("q", [odd, bf16_attention(1)], 2)

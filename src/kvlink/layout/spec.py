@@ -87,6 +87,7 @@ class MLA:
 ConvLayout = Literal["DS", "SD"]
 CONV_LAYOUTS: tuple[ConvLayout, ...] = ("DS", "SD")
 MAX_SD_CONV_KERNEL = 65
+STATE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,9 @@ class Mamba2:
 
     `conv_layout` is how a rank stores its conv state of `conv_kernel - 1` rows over its
     channels (x | B | C, each its own heads or groups): "DS" channel-first
-    `(channels, rows)`, "SD" row-first `(rows, channels)` (vLLM's default).
+    `(channels, rows)`, "SD" row-first `(rows, channels)` (vLLM's default). `state_dtype`
+    is the SSM state's element type when it is not the model's (vLLM's
+    `--mamba-ssm-cache-dtype`, e.g. fp32 state next to a bf16 conv state); "" for the model's.
     """
 
     num_heads: int
@@ -105,6 +108,7 @@ class Mamba2:
     conv_kernel: int
     kind: Literal["mamba2"] = "mamba2"
     conv_layout: ConvLayout = "DS"
+    state_dtype: str = ""
 
     def __post_init__(self) -> None:
         _check_ssm_dims(self)
@@ -131,6 +135,7 @@ class GDN:
     conv_kernel: int
     kind: Literal["gdn"] = "gdn"
     conv_layout: ConvLayout = "DS"
+    state_dtype: str = ""
 
     def __post_init__(self) -> None:
         _check_ssm_dims(self)
@@ -168,6 +173,10 @@ def _check_ssm_dims(group: Mamba2 | GDN) -> None:
         elif name == "conv_layout":
             if value not in CONV_LAYOUTS:
                 raise ValueError(f"{group.kind} conv_layout must be one of {list(CONV_LAYOUTS)}, got {value!r}")
+        elif name == "state_dtype":
+            if value != "" and value not in STATE_DTYPES:
+                raise ValueError(f"{group.kind} state_dtype must be '' (the model's) or one of "
+                                 f"{list(STATE_DTYPES)}, got {value!r}")
         elif name != "kind":
             check(f"{group.kind} {name}", value, MODEL_DIM)
     if group.conv_layout == "SD" and group.conv_kernel > MAX_SD_CONV_KERNEL:

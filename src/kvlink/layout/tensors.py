@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvlink.layout.limits import BLOCK_SIZE, NUM_BLOCKS, TP, check
-from kvlink.layout.spec import GDN, MLA, GroupSpec, Mamba2, ModelSpec, is_ssm
+from kvlink.layout.spec import DTYPE_BYTES, GDN, MLA, GroupSpec, Mamba2, ModelSpec, is_ssm
 
 TensorKind = Literal["attention", "mla", "ssm"]
 
@@ -74,8 +74,27 @@ def ssm_page_slices(group: Mamba2 | GDN, tp_size: int) -> tuple[PageSlice, ...]:
 
 
 def ssm_page_elems(group: Mamba2 | GDN, tp_size: int) -> int:
+    """Elements of one SSM page when the state has the model's dtype (`state_dtype` "")."""
     last = ssm_page_slices(group, tp_size)[-1]
     return last.offset + last.numel
+
+
+def ssm_part_bytes(group: Mamba2 | GDN, tp_size: int, dtype_bytes: int) -> tuple[tuple[int, int], ...]:
+    """(byte offset, byte length) of each page slice: conv parts in the model's dtype, then the
+    state in `state_dtype` (the model's when "")."""
+    state_bytes = DTYPE_BYTES[group.state_dtype] if group.state_dtype else dtype_bytes
+    out, offset = [], 0
+    slices = ssm_page_slices(group, tp_size)
+    for index, page_slice in enumerate(slices):
+        length = page_slice.numel * (state_bytes if index == len(slices) - 1 else dtype_bytes)
+        out.append((offset, length))
+        offset += length
+    return tuple(out)
+
+
+def ssm_page_bytes(group: Mamba2 | GDN, tp_size: int, dtype_bytes: int) -> int:
+    offset, length = ssm_part_bytes(group, tp_size, dtype_bytes)[-1]
+    return offset + length
 
 
 def _tensor_for(
@@ -87,7 +106,11 @@ def _tensor_for(
         return TensorSpec(layer, gi, "mla", (kernel_blocks, kernel_block_size, group.latent_dim), model.dtype)
     if is_ssm(group):
         assert isinstance(group, (Mamba2, GDN))
-        return TensorSpec(layer, gi, "ssm", (logical_blocks, ssm_page_elems(group, tp_size)), model.dtype)
+        page_bytes = ssm_page_bytes(group, tp_size, model.dtype_bytes)
+        if page_bytes % model.dtype_bytes:
+            raise ValueError(f"{group.kind} page of {page_bytes} bytes ({group.state_dtype} state) is not a whole "
+                             f"number of {model.dtype} elements")
+        return TensorSpec(layer, gi, "ssm", (logical_blocks, page_bytes // model.dtype_bytes), model.dtype)
     heads = model.attention_part().units_on_rank(tp_size)
     shape = (kernel_blocks, heads, kernel_block_size, 2 * model.head_dim)
     return TensorSpec(layer, gi, "attention", shape, model.dtype)

@@ -189,6 +189,9 @@ class TinyHybridModel:
         for group_index in spec.layer_groups:
             group = spec.groups[group_index]
             if isinstance(group, Mamba2):
+                if group.state_dtype not in ("", spec.dtype):
+                    raise ValueError(f"tiny hybrid keeps its SSM state in the model's {spec.dtype}, "
+                                     f"not {group.state_dtype}")
                 self.mixers.append(Mamba2Mixer(init, group, hidden_size, tp_rank, tp_size))
             elif isinstance(group, FullAttention):
                 self.mixers.append(AttentionMixer(init, spec, hidden_size, num_q_heads, tp_rank, tp_size))

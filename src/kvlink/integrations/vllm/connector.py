@@ -76,8 +76,8 @@ def _model_name(vllm_config: VllmConfig) -> str:
 
 
 SUPPORTED_GROUPS = ("one full-attention group (FullAttentionSpec, with or without a sliding window), "
-                    "optionally with Mamba2 groups (MambaSpec, a hybrid model such as GraniteMoeHybrid) at "
-                    "TP 1; or sliding-window groups (SlidingWindowSpec), alone or with full-attention "
+                    "optionally with Mamba2 or GDN groups (MambaSpec, a hybrid model such as GraniteMoeHybrid or "
+                    "Qwen3-Next); or sliding-window groups (SlidingWindowSpec), alone or with full-attention "
                     "groups (hybrid allocator on, at TP 1 when there is more than one group); or one MLA "
                     "group alone (MLAAttentionSpec, a DeepSeek-V2/V3-like latent cache)")
 
@@ -110,6 +110,12 @@ def _mamba_n_groups(model_config: Any) -> int | None:
     return None
 
 
+def _mamba_kind(spec: Any) -> str:
+    """"mamba2", "gdn" or vLLM's own name for another state kind (MAMBA1, SHORT_CONV, ...)."""
+    name = str(getattr(spec.mamba_type, "name", spec.mamba_type)).upper()
+    return {"MAMBA2": "mamba2", "GDN_ATTN": "gdn"}.get(name.rsplit(".", 1)[-1], name)
+
+
 def _kv_groups(kv_cache_config: KVCacheConfig | None) -> list[GroupInfo]:
     """vLLM's KV-cache groups in kvlink's terms; refuses kinds kvlink cannot move exactly."""
     if kv_cache_config is None:
@@ -129,9 +135,12 @@ def _kv_groups(kv_cache_config: KVCacheConfig | None) -> list[GroupInfo]:
                                  _dtype_name(spec.dtype), num_kv_heads=int(spec.num_kv_heads),
                                  head_dim=int(spec.head_size), block_size=int(spec.block_size),
                                  sliding_window=window))
-        elif kind == "MambaSpec" and "MAMBA2" in str(spec.mamba_type).upper():
-            dtypes = {_dtype_name(d) for d in spec.dtypes}
-            out.append(GroupInfo("mamba2", tuple(group.layer_names), dtypes.pop() if len(dtypes) == 1 else str(dtypes),
+        elif kind == "MambaSpec" and _mamba_kind(spec) in ("mamba2", "gdn"):
+            # One dtype per state shape: the conv state's, then the SSM state's.
+            conv_dtype, *state_dtypes = (_dtype_name(d) for d in spec.dtypes)
+            state_dtype = state_dtypes[0] if len(state_dtypes) == 1 else "+".join(state_dtypes)
+            out.append(GroupInfo(_mamba_kind(spec), tuple(group.layer_names), conv_dtype,
+                                 state_dtype="" if state_dtype == conv_dtype else state_dtype,
                                  conv_shape=tuple(int(x) for x in spec.shapes[0]),
                                  state_shape=tuple(int(x) for x in spec.shapes[1]),
                                  page_bytes=int(getattr(spec, "real_page_size_bytes", 0)),
@@ -165,7 +174,7 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
         groups = with_kv_dtype(_kv_groups(kv_cache_config), kv_dtype)
         hybrid = len(groups) > 1
         tp_size = parallel.tensor_parallel_size
-        if hybrid and tp_size != 1 and not any(g.kind == "mamba2" for g in groups):
+        if hybrid and tp_size != 1 and not any(g.kind in ("mamba2", "gdn") for g in groups):
             raise UnsupportedVllmLayout(f"kvlink: attention models of several KV-cache groups (sliding window, "
                                         f"hybrid allocator on) inside vLLM move at TP 1 only; this engine "
                                         f"runs TP {tp_size}")
@@ -296,9 +305,10 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
         isa = resolved_isa({name: (layer.attn_backend.get_name(), getattr(layer, "isa", None))
                             for name, layer in layers.items()})
         scales = sorted(set(self._work().model.kv_scales))
-        conv = sorted({g.conv_layout for g in self._groups if g.kind == "mamba2"})
-        if conv:
-            _vllm_log.info("kvlink: vLLM's Mamba2 layers keep their conv state %s (moved as it lies)", "/".join(conv))
+        conv = sorted({(g.kind, g.conv_layout) for g in self._groups if g.kind in ("mamba2", "gdn")})
+        for kind, layout in conv:
+            _vllm_log.info("kvlink: vLLM's %s layers keep their conv state %s (moved as it lies)",
+                           "Mamba2" if kind == "mamba2" else "GDN", layout)
         _vllm_log.info("kvlink: vLLM's CPU_ATTN attention runs the %r kernel (KV cache %s, block %d, head size %d%s)",
                        isa, spec.dtype, spec.block_size, spec.head_dim,
                        f", k/v scales {scales}" if scales else "")

@@ -13,13 +13,16 @@ from dataclasses import dataclass, replace
 from kvlink.layout.spec import (
     CONV_LAYOUTS,
     DTYPE_BYTES,
+    GDN,
+    STATE_DTYPES,
+    ConvLayout,
     FullAttention,
     GroupSpec,
     Mamba2,
     ModelSpec,
     SlidingWindow,
 )
-from kvlink.layout.tensors import ssm_page_elems
+from kvlink.layout.tensors import ssm_page_bytes
 
 # vLLM CPU attention ISA -> kvlink page order (the element order inside one head's unit).
 # `vec16` (head dims or block sizes that are not multiples of 32) stores `vec`'s order: the
@@ -162,7 +165,7 @@ class GroupInfo:
     `page_bytes` of content every `page_stride`.
     """
 
-    kind: str  # "attention" | "sliding" | "mamba2"
+    kind: str  # "attention" | "sliding" | "mamba2" | "gdn"
     layer_names: tuple[str, ...]
     dtype: str
     num_kv_heads: int = 0
@@ -174,6 +177,7 @@ class GroupInfo:
     page_stride: int = 0
     sliding_window: int = 0
     conv_layout: str = "DS"
+    state_dtype: str = ""  # the SSM state's dtype when it differs from the conv state's (`dtype`)
 
     @property
     def is_attention(self) -> bool:
@@ -247,23 +251,7 @@ def model_spec(name: str, groups: Sequence[GroupInfo], num_kv_heads_total: int, 
         if g.kind == "sliding":
             specs.append(_window_spec(g))
             continue
-        if g.conv_layout not in CONV_LAYOUTS:
-            raise UnsupportedVllmLayout(f"kvlink: Mamba2 group {list(g.layer_names)}: conv state layout "
-                                        f"{g.conv_layout!r}; kvlink moves {list(CONV_LAYOUTS)}")
-        expected_conv = "(conv_dim, d_conv-1)" if g.conv_layout == "DS" else "(d_conv-1, conv_dim)"
-        if len(g.conv_shape) != 2 or len(g.state_shape) != 3:
-            raise UnsupportedVllmLayout(f"kvlink: Mamba2 group {list(g.layer_names)}: conv state {g.conv_shape}, "
-                                        f"SSM state {g.state_shape}; expected {expected_conv} ({g.conv_layout}) "
-                                        "and (heads, head_dim, d_state)")
-        heads, head_dim, d_state = g.state_shape
-        conv_dim, rows = g.conv_shape if g.conv_layout == "DS" else g.conv_shape[::-1]
-        rank_groups, rest = divmod(conv_dim - heads * head_dim, 2 * d_state)
-        if rest or rank_groups <= 0:
-            raise UnsupportedVllmLayout(f"kvlink: Mamba2 conv state of {conv_dim} channels does not split into "
-                                        f"x ({heads}x{head_dim}) | B | C of groups of {d_state}")
-        n_groups = _global_mamba_groups(g, rank_groups, tp_size, mamba_n_groups)
-        specs.append(Mamba2(num_heads=heads * tp_size, head_dim=head_dim, n_groups=n_groups, d_state=d_state,
-                            conv_kernel=rows + 1, conv_layout="DS" if g.conv_layout == "DS" else "SD"))
+        specs.append(_ssm_spec(g, tp_size, mamba_n_groups))
     layer_groups: dict[int, int] = {}
     for gi, g in enumerate(groups):
         for layer in g.layer_names:
@@ -272,13 +260,54 @@ def model_spec(name: str, groups: Sequence[GroupInfo], num_kv_heads_total: int, 
     model = ModelSpec(name=name, num_kv_heads=num_kv_heads_total, head_dim=att.head_dim, dtype=att.dtype,
                       groups=tuple(specs), layer_groups=tuple(layer_groups[i] for i in sorted(layer_groups)))
     for g, spec in zip(groups, specs, strict=True):
-        if isinstance(spec, Mamba2):
-            expected = ssm_page_elems(spec, tp_size) * DTYPE_BYTES[att.dtype]
-            if g.page_bytes != expected or g.dtype != att.dtype:
+        if isinstance(spec, (Mamba2, GDN)):
+            if g.dtype != att.dtype:
                 raise UnsupportedVllmLayout(
-                    f"kvlink: Mamba2 page of {list(g.layer_names)} holds {g.page_bytes} bytes of {g.dtype}; kvlink's "
-                    f"page for these shapes is {expected} bytes of {att.dtype} (conv state, then SSM state)")
+                    f"kvlink: {g.kind} conv state of {list(g.layer_names)} holds {g.dtype}, the attention KV "
+                    f"{att.dtype}; kvlink moves conv states in the model's dtype")
+            expected = ssm_page_bytes(spec, tp_size, DTYPE_BYTES[att.dtype])
+            if g.page_bytes != expected:
+                state = f", SSM state {g.state_dtype}" if g.state_dtype else ""
+                raise UnsupportedVllmLayout(
+                    f"kvlink: {g.kind} page of {list(g.layer_names)} holds {g.page_bytes} bytes ({g.dtype}{state}); "
+                    f"kvlink's page for these shapes is {expected} bytes (conv state, then SSM state)")
     return model
+
+
+def _ssm_spec(g: GroupInfo, tp_size: int, mamba_n_groups: int | None) -> Mamba2 | GDN:
+    """kvlink's Mamba2 or GDN group for one rank's conv and state shapes (see `model_spec`)."""
+    what = "Mamba2" if g.kind == "mamba2" else "GDN"
+    if g.conv_layout not in CONV_LAYOUTS:
+        raise UnsupportedVllmLayout(f"kvlink: {what} group {list(g.layer_names)}: conv state layout "
+                                    f"{g.conv_layout!r}; kvlink moves {list(CONV_LAYOUTS)}")
+    expected_conv = "(conv_dim, d_conv-1)" if g.conv_layout == "DS" else "(d_conv-1, conv_dim)"
+    state = "(heads, head_dim, d_state)" if g.kind == "mamba2" else "(v_heads, head_v_dim, head_k_dim)"
+    if len(g.conv_shape) != 2 or len(g.state_shape) != 3:
+        raise UnsupportedVllmLayout(f"kvlink: {what} group {list(g.layer_names)}: conv state {g.conv_shape}, "
+                                    f"SSM state {g.state_shape}; expected {expected_conv} ({g.conv_layout}) "
+                                    f"and {state}")
+    conv_dim, rows = g.conv_shape if g.conv_layout == "DS" else g.conv_shape[::-1]
+    layout: ConvLayout = "DS" if g.conv_layout == "DS" else "SD"
+    if g.state_dtype and g.state_dtype not in STATE_DTYPES:
+        raise UnsupportedVllmLayout(f"kvlink: {what} group {list(g.layer_names)}: SSM state dtype {g.state_dtype}; "
+                                    f"kvlink moves {list(STATE_DTYPES)}")
+    if g.kind == "gdn":
+        # conv over Q | K | V: 2 x k_heads x head_k_dim + v_heads x head_v_dim channels per rank.
+        v_heads, head_v_dim, head_k_dim = g.state_shape
+        k_heads, rest = divmod(conv_dim - v_heads * head_v_dim, 2 * head_k_dim)
+        if rest or k_heads <= 0:
+            raise UnsupportedVllmLayout(f"kvlink: GDN conv state of {conv_dim} channels does not split into "
+                                        f"Q | K (key heads of {head_k_dim}) | V ({v_heads}x{head_v_dim})")
+        return GDN(num_k_heads=k_heads * tp_size, num_v_heads=v_heads * tp_size, head_k_dim=head_k_dim,
+                   head_v_dim=head_v_dim, conv_kernel=rows + 1, conv_layout=layout, state_dtype=g.state_dtype)
+    heads, head_dim, d_state = g.state_shape
+    rank_groups, rest = divmod(conv_dim - heads * head_dim, 2 * d_state)
+    if rest or rank_groups <= 0:
+        raise UnsupportedVllmLayout(f"kvlink: Mamba2 conv state of {conv_dim} channels does not split into "
+                                    f"x ({heads}x{head_dim}) | B | C of groups of {d_state}")
+    n_groups = _global_mamba_groups(g, rank_groups, tp_size, mamba_n_groups)
+    return Mamba2(num_heads=heads * tp_size, head_dim=head_dim, n_groups=n_groups, d_state=d_state,
+                  conv_kernel=rows + 1, conv_layout=layout, state_dtype=g.state_dtype)
 
 
 def _global_mamba_groups(g: GroupInfo, rank_groups: int, tp_size: int, config_groups: int | None) -> int:

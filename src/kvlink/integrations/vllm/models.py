@@ -31,6 +31,7 @@ TINY_MISTRAL_DIR = "tiny-mistral-swa-f32"
 # hundred tokens run far past it.
 TINY_SLIDING_WINDOW = 64
 TINY_DEEPSEEK_MLA_DIR = "tiny-deepseek-mla-bf16"
+TINY_QWEN3_NEXT_DIR = "tiny-qwen3-next-gdn-bf16"
 SEED = 1234
 _DONE = ".kvlink-complete"
 
@@ -192,6 +193,36 @@ def _build_tiny_granite_hybrid(out: Path) -> None:
     _save_random(out, config, "GraniteMoeHybridForCausalLM")
 
 
+def _build_tiny_qwen3_next(out: Path) -> None:
+    transformers = _offline()
+    config = transformers.Qwen3NextConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        full_attention_interval=4,  # 3 GDN layers, then 1 full-attention layer
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        partial_rotary_factor=0.25,
+        # vLLM's CPU GDN kernel takes head dims of 64 or 128 only ("Unexpected head dim size, 32").
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        num_experts=4,  # vLLM finds no Qwen3Next layer without experts
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        decoder_sparse_step=1,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,  # vLLM's Qwen3-Next never ties lm_head: tied weights answer token 0
+        dtype="bfloat16",
+    )
+    # vLLM's CPU GDN attention requires bf16 ("CPU GDN attention requires BF16").
+    _save_random(out, config, "Qwen3NextForCausalLM", weight_scale=4.0, dtype="bfloat16")
+
+
 def _build_tiny_gemma3(out: Path) -> None:
     transformers = _offline()
     config = transformers.Gemma3TextConfig(
@@ -279,6 +310,12 @@ def tiny_granite_hybrid_dir(cache_root: Path | None = None) -> Path:
     return _cached(TINY_GRANITE_HYBRID_DIR, cache_root, _build_tiny_granite_hybrid)
 
 
+def tiny_qwen3_next_dir(cache_root: Path | None = None) -> Path:
+    """Seeded-random Qwen3-Next-like GDN hybrid, bf16: 3 Gated DeltaNet layers (1 key head, 2 value
+    heads, head dims 128, conv kernel 4) then 1 full-attention layer (1 KV head of 64), 4 experts."""
+    return _cached(TINY_QWEN3_NEXT_DIR, cache_root, _build_tiny_qwen3_next)
+
+
 def tiny_gemma3_dir(cache_root: Path | None = None) -> Path:
     """Seeded-random Gemma-3-like text model: 3 sliding-window layers (window 64) then 1 global
     layer, 1 KV head of size 64, weights x2 so greedy text follows the prompt."""
@@ -305,4 +342,5 @@ BUILDERS: dict[str, Callable[[Path | None], Path]] = {
     "tiny-gemma3-swa": tiny_gemma3_dir,
     "tiny-mistral-swa": tiny_mistral_dir,
     "tiny-deepseek-mla": tiny_deepseek_mla_dir,
+    "tiny-qwen3-next-gdn": tiny_qwen3_next_dir,
 }

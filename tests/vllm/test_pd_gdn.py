@@ -1,0 +1,90 @@
+"""A Gated DeltaNet hybrid (Qwen3-Next-like) inside vLLM: P → D equals colocated, token for token.
+
+The model is a seeded-random Qwen3NextForCausalLM in bf16 (vLLM's CPU GDN kernel takes bf16
+only): 3 GDN layers (1 key head, 2 value heads, head dims 128) and 1 full-attention layer.
+vLLM's defaults otherwise: its GDN page holds the conv state in bf16 and the recurrent state
+in fp32, row-first (SD) conv layout; vLLM sizes the attention block itself for this model
+(640 tokens here), so the long prompt spans two blocks. Without prefix caching, as the Mamba2
+hybrid runs (docs/vllm.md).
+
+Same computation on both sides: P computes N-1 prompt tokens and D the last one, where a
+colocated vLLM computes the prompt in one prefill; in bf16 the chunked GDN kernel and a
+one-token step round differently, and a first try with ~170-token text prompts diverged
+from the 5th generated token on. So every server prefills in chunks of CHUNK tokens and each
+prompt is k x CHUNK + 1 token ids long: colocated vLLM then also computes the last prompt
+token alone, after the same chunks P computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from vllm_client import complete, metric, token_ids, wait_metric
+
+from kvlink.connector.secret import new_secret
+from kvlink.integrations.vllm.launch import VllmServerSpec, served_model
+from kvlink.integrations.vllm.models import tiny_qwen3_next_dir
+from kvlink.procs.launcher import Service
+
+if TYPE_CHECKING:
+    from tests.vllm.conftest import VllmServers
+
+pytestmark = pytest.mark.slow
+
+CHUNK = 64
+GDN_ARGS = ["--no-enable-prefix-caching", "--max-num-batched-tokens", str(CHUNK)]
+# 65, 193 and 705 token ids: one chunk, three, and eleven (past the 640-token block).
+PROMPTS = [[(7919 * i + 31 * k) % 40000 + 100 for i in range(k * CHUNK + 1)] for k in (1, 3, 11)]
+
+
+@pytest.fixture(scope="module")
+def gdn_dir() -> Path:
+    return tiny_qwen3_next_dir()
+
+
+@pytest.fixture(scope="module")
+def references(vllm_servers: VllmServers, gdn_dir: Path) -> list[list[int]]:
+    spec = VllmServerSpec(model=gdn_dir, port=vllm_servers.http_port(), cores="0", enforce_eager=True,
+                          dtype="bfloat16", args=GDN_ARGS, name="gdn-colocated")
+    (server,) = vllm_servers.start(spec)
+    try:
+        model = served_model(server.url)
+        return [token_ids(complete(server.url, model, prompt)) for prompt in PROMPTS]  # type: ignore[arg-type]
+    finally:
+        vllm_servers.stop(server)
+
+
+@pytest.fixture(scope="module")
+def gdn_pair(vllm_servers: VllmServers, gdn_dir: Path, references: list[list[int]]) -> Iterator[list[Service]]:
+    secret = new_secret()
+    yield from vllm_servers.serve(*(
+        vllm_servers.kvlink_spec(gdn_dir, f"gdn-{name}", cores, secret, dtype="bfloat16", args=GDN_ARGS)
+        for name, cores in (("p", "0"), ("d", "1"))))
+
+
+def test_the_reference_text_depends_on_the_prompt(references: list[list[int]]) -> None:
+    assert len({tuple(ids[:4]) for ids in references}) == len(PROMPTS)
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("index", range(len(PROMPTS)))
+def test_gdn_pd_equals_colocated(gdn_pair: list[Service], references: list[list[int]],
+                                 mode: str, index: int) -> None:
+    p, d = gdn_pair
+    model = served_model(p.url)
+    prompt: Any = PROMPTS[index]  # token ids (no prefix caching: pull and push may share them)
+    first = complete(p.url, model, prompt, max_tokens=1, stream=False,
+                     kv_transfer_params={"do_remote_decode": True, "transfer_mode": mode})
+    assert first.status_code == 200, first.text
+    params = first.json()["kv_transfer_params"]
+    assert len(params["remote_block_ids"]) == 4  # one list per KV-cache group (3 GDN, 1 attention)
+    before = d.log_path.read_text(errors="replace").count("kvlink load ")
+    checked = metric(d.url, "vllm:kvlink_kv_verified_units_total")
+    assert token_ids(complete(d.url, model, prompt, kv_transfer_params=params)) == references[index]
+    assert d.log_path.read_text(errors="replace").count("kvlink load ") == before + 1  # loaded, not recomputed
+    assert wait_metric(d.url, "vllm:kvlink_kv_verified_units_total", checked) > checked
+    for side in (p, d):
+        assert "GDN layers keep their conv state SD" in side.log_path.read_text(errors="replace")
