@@ -138,6 +138,11 @@ def test_kv_bytes_per_reference_prompt_and_family_in_markdown() -> None:
     md = render_markdown(report)
     assert "KV bytes D took per reference prompt" in md
     assert "| #2 (610) | 4.1 kB | 2.0 kB | - | 1.0 kB | - |" in md
+    for case in report["cases"]:  # type: ignore[attr-defined]
+        for answer in case["answers"]:
+            answer["text"] = "same" if case["blocks"] == "P128->D128" else case["connector"]
+    md = render_markdown(report)
+    assert "| answers = nixl's (same blocks) | - | 2/2 | - | 0/2 | - |" in md
     assert "family swa" in md and 'NixlConnector [threads1]: kv_connector_extra_config {"num_threads": 1}' in md
 
 
@@ -170,7 +175,7 @@ def test_families_and_nixl_settings() -> None:
     for bad in (["--family", "mamba1"], ["--nixl-extra", "[1]"], ["--nixl-extra", "{"], ["--nixl-env", "NOVALUE"]):
         with pytest.raises(SystemExit):
             parse_args(["bench", "vllm", *bad])
-    assert set(FAMILIES) == {"dense", "swa", "mla", "hybrid"}
+    assert set(FAMILIES) == {"dense", "swa", "mla", "hybrid", "gdn"}
     assert FAMILIES["mla"].same_blocks == ((16, 16),) and FAMILIES["mla"].dtype == "bfloat16"
     config = VllmBenchConfig(model_dir=Path("/m"), nixl_extra={"num_threads": 1}, nixl_env={"UCX_TLS": "cma,tcp"},
                              nixl_label="t1", connectors=("nixl", "kvlink"), block_pairs=((128, 128),))

@@ -37,6 +37,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # vLLM 0.32's CPU build crashes on hybrid prompts past one block with prefix caching on.
     Family("hybrid", "tiny_granite_hybrid_dir", "float32", ("--no-enable-prefix-caching",), SAME_BLOCKS, (),
            "tiny GraniteMoeHybrid: 3 Mamba2 layers + 1 attention, fp32, vLLM's default SD conv state"),
+    # vLLM's CPU GDN kernel runs bf16 only, and sizes the attention block itself (640 here).
+    Family("gdn", "tiny_qwen3_next_dir", "bfloat16", ("--no-enable-prefix-caching",), SAME_BLOCKS, (),
+           "tiny Qwen3-Next-like: 3 Gated DeltaNet layers + 1 attention, bf16 (fp32 recurrent state)"),
 )}
 
 

@@ -39,6 +39,20 @@ def answers_cell(result: dict[str, Any]) -> str:
     return cell
 
 
+def _same_as_nixl(result: dict[str, Any], results: list[dict[str, Any]]) -> str:
+    """For a kvlink case: how many answers equal NixlConnector's in the same block case (where
+    colocated vLLM itself computes differently, e.g. MLA on CPU, this is what compares)."""
+    if result.get("connector") != "kvlink":
+        return "-"
+    other = next((r for r in results if r.get("connector") == "nixl" and r.get("blocks") == result.get("blocks")),
+                 None)
+    mine, theirs = result.get("answers") or [], (other or {}).get("answers") or []
+    if not mine or len(mine) != len(theirs):
+        return "-"
+    equal = sum(1 for a, b in zip(mine, theirs, strict=True) if a.get("text") is not None and a.get("text") == b.get("text"))
+    return f"{equal}/{len(mine)}"
+
+
 def table_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     """Header and rows (one per figure) of the side-by-side table: one column per case."""
     results: list[dict[str, Any]] = report["cases"]
@@ -60,6 +74,9 @@ def table_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         rows.append([f"idle CPU {role} API %", *(fmt(((r.get("idle_cpu") or {}).get(role) or {})
                                                      .get("api_pct"), 2) for r in results)])
     rows.append(["answers = colocated", *(answers_cell(r) for r in results)])
+    same = [_same_as_nixl(r, results) for r in results]
+    if any(cell != "-" for cell in same):
+        rows.append(["answers = nixl's (same blocks)", *same])
     errors = [str(r["error"])[:60] if r.get("error") else "" for r in results]
     if any(errors):
         rows.append(["error", *errors])
