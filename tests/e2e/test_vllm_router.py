@@ -214,7 +214,7 @@ def test_killed_decode_ends_its_requests_with_an_error_and_the_other_takes_new_o
     for i in range(600, 604):
         assert text_of(ask(router, prompt(i))) == expected[prompt(i)]
     assert requests_served(two_by_two, "decode") - before == 4
-    wait_clean([m.url for m in two_by_two.members if m.name != "decode1"], NUM_BLOCKS, 15)
+    wait_clean([m.url for m in two_by_two.members if m.name != "decode1"], NUM_BLOCKS, 45)  # a P whose D died may free only at its lease or peer-loss deadline; 15 s was missed once under load
     two_by_two.restart("decode1")
     wait_until(lambda: all(health(router).values()), 30, "every instance back in rotation")
     assert_clean(two_by_two)
