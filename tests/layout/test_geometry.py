@@ -13,7 +13,14 @@ from kvlink.layout.geometry import (
     packed_base_addrs,
     remote_sub_part_slice,
 )
-from kvlink.layout.presets import DEEPSEEK_MLA, LLAMA3_8B, PRESETS, TINY_HYBRID, preset
+from kvlink.layout.presets import (
+    DEEPSEEK_MLA,
+    LLAMA3_8B,
+    PRESETS,
+    TINY_HYBRID,
+    TINY_HYBRID_SD,
+    preset,
+)
 from kvlink.layout.spec import GDN, FullAttention, Mamba2, ModelSpec
 
 
@@ -98,14 +105,10 @@ def test_bad_arguments_are_refused() -> None:
         preset("nope")
 
 
-def _sd_hybrid() -> ModelSpec:
-    return replace(TINY_HYBRID, groups=(TINY_HYBRID.groups[0], replace(TINY_HYBRID.groups[1], conv_layout="SD")))
-
-
 @pytest.mark.parametrize("tp", [1, 2])
 def test_sd_conv_parts_address_vllms_row_first_state(tp: int) -> None:
     """SD: a rank's conv state is `[rows, x_r | B_r | C_r]`; every part unit is found where that array puts it."""
-    model = _sd_hybrid()
+    model = TINY_HYBRID_SD
     mamba = model.groups[1]
     assert isinstance(mamba, Mamba2)
     rows, dt = mamba.conv_kernel - 1, 4
@@ -134,7 +137,7 @@ def test_sd_conv_parts_address_vllms_row_first_state(tp: int) -> None:
 
 
 def test_sd_and_ds_specs_differ_and_round_trip() -> None:
-    sd = _sd_hybrid()
+    sd = TINY_HYBRID_SD
     assert sd.compat_hash() != TINY_HYBRID.compat_hash()
     assert ModelSpec.from_dict(sd.to_dict()) == sd
     with pytest.raises(ValueError, match="conv_layout must be one of"):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvlink.layout.geometry import WorkerGeometry, build_worker_geometry, packed_base_addrs
-from kvlink.layout.presets import LLAMA3_8B, TINY_HYBRID
+from kvlink.layout.presets import LLAMA3_8B, TINY_HYBRID, TINY_HYBRID_SD
 from kvlink.layout.spec import FullAttention, ModelSpec
 from kvlink.plan import IncompatibleLayout, build_transfer_plan, count_merged, desc_ids_attention
 from kvlink.plan.compat import check_compatible
@@ -135,8 +135,7 @@ def test_model_mismatch_names_every_field() -> None:
 
 
 def test_conv_layout_mismatch_is_refused_naming_both_layouts() -> None:
-    sd = dataclasses.replace(TINY_HYBRID, groups=(TINY_HYBRID.groups[0],
-                                                  dataclasses.replace(TINY_HYBRID.groups[1], conv_layout="SD")))
+    sd = TINY_HYBRID_SD
     d = worker(sd, 1, 0, 16, 16, 10, 1)
     p = worker(TINY_HYBRID, 1, 0, 16, 16, 10, 0)
     with pytest.raises(IncompatibleLayout) as info:

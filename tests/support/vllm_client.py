@@ -94,3 +94,21 @@ class PdPair:
         while metric(d.url, KV_LOADS) == count and time.monotonic() < deadline:
             time.sleep(0.1)
         return ids, params, metric(d.url, KV_BYTES) - before
+
+
+def load_through(p: Any, d: Any, model: str, prompt: Any, mode: str, groups: int) -> list[int]:
+    """A hybrid model's request through vLLM P (one token, `mode` pull or push) and then D: P
+    offers one block list per KV-cache group (`groups`), D loads it exactly once (its log),
+    checks P's digests (verify_kv's default, over the aliased pages), and answers; its token
+    ids. `p` and `d` are the servers (`Service`: url, log_path)."""
+    first = complete(p.url, model, prompt, max_tokens=1, stream=False,
+                     kv_transfer_params={"do_remote_decode": True, "transfer_mode": mode})
+    assert first.status_code == 200, first.text
+    params = first.json()["kv_transfer_params"]
+    assert len(params["remote_block_ids"]) == groups  # one list per KV-cache group
+    before = d.log_path.read_text(errors="replace").count("kvlink load ")
+    checked = metric(d.url, "vllm:kvlink_kv_verified_units_total")
+    answer = token_ids(complete(d.url, model, prompt, kv_transfer_params=params))
+    assert d.log_path.read_text(errors="replace").count("kvlink load ") == before + 1  # loaded, not recomputed
+    assert wait_metric(d.url, "vllm:kvlink_kv_verified_units_total", checked) > checked
+    return answer

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from vllm_client import complete, metric, token_ids, wait_metric
+from vllm_client import complete, load_through, token_ids
 
 from kvlink.connector.secret import new_secret
 from kvlink.integrations.vllm.launch import VllmServerSpec, served_model
@@ -76,15 +76,6 @@ def test_gdn_pd_equals_colocated(gdn_pair: list[Service], references: list[list[
     p, d = gdn_pair
     model = served_model(p.url)
     prompt: Any = PROMPTS[index]  # token ids (no prefix caching: pull and push may share them)
-    first = complete(p.url, model, prompt, max_tokens=1, stream=False,
-                     kv_transfer_params={"do_remote_decode": True, "transfer_mode": mode})
-    assert first.status_code == 200, first.text
-    params = first.json()["kv_transfer_params"]
-    assert len(params["remote_block_ids"]) == 4  # one list per KV-cache group (3 GDN, 1 attention)
-    before = d.log_path.read_text(errors="replace").count("kvlink load ")
-    checked = metric(d.url, "vllm:kvlink_kv_verified_units_total")
-    assert token_ids(complete(d.url, model, prompt, kv_transfer_params=params)) == references[index]
-    assert d.log_path.read_text(errors="replace").count("kvlink load ") == before + 1  # loaded, not recomputed
-    assert wait_metric(d.url, "vllm:kvlink_kv_verified_units_total", checked) > checked
+    assert load_through(p, d, model, prompt, mode, groups=4) == references[index]  # 3 GDN groups, 1 attention
     for side in (p, d):
         assert "GDN layers keep their conv state SD" in side.log_path.read_text(errors="replace")

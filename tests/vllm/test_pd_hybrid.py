@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from vllm_client import complete, metric, token_ids, wait_metric
+from vllm_client import complete, load_through, token_ids
 
 from kvlink.connector.secret import new_secret
 from kvlink.integrations.vllm.launch import VllmServerSpec, served_model
@@ -76,17 +76,8 @@ def test_hybrid_pd_equals_colocated(hybrid_pair: list[Service], references: dict
     p, d = hybrid_pair
     model = served_model(p.url)
     prompt = f"({mode}) {PROMPTS[index]}"
-    first = complete(p.url, model, prompt, max_tokens=1, stream=False,
-                     kv_transfer_params={"do_remote_decode": True, "transfer_mode": mode})
-    assert first.status_code == 200, first.text
-    params = first.json()["kv_transfer_params"]
-    assert len(params["remote_block_ids"]) == 4  # one list per KV-cache group (3 Mamba2, 1 attention)
-    before = d.log_path.read_text(errors="replace").count("kvlink load ")
-    checked = metric(d.url, "vllm:kvlink_kv_verified_units_total")
-    assert token_ids(complete(d.url, model, prompt, kv_transfer_params=params)) == references[prompt]
-    assert d.log_path.read_text(errors="replace").count("kvlink load ") == before + 1  # loaded, not recomputed
-    # D checked P's digests (verify_kv's default) over the aliased pages: SSM state and attention.
-    assert wait_metric(d.url, "vllm:kvlink_kv_verified_units_total", checked) > checked
+    # 4 KV-cache groups: 3 Mamba2, 1 attention; D checks the digests of SSM state and attention.
+    assert load_through(p, d, model, prompt, mode, groups=4) == references[prompt]
     for side in (p, d):  # both kept vLLM's default layout, and kvlink read it from vLLM
         assert "keep their conv state SD" in side.log_path.read_text(errors="replace")
 

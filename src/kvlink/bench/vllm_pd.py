@@ -123,11 +123,12 @@ def run_case(config: VllmBenchConfig, case: Case, index: int, reference: list[st
         except Exception as error:
             progress(f"    /metrics after: {error}")
         answers = []
+        seen = _kv_bytes(decode.url, prefix)
         for prompt, expected in zip(reference_prompts(), reference, strict=True):
-            seen = _kv_bytes(decode.url, prefix)
             got = complete(proxy.url, model, prompt, config.reference_tokens)
             moved = _kv_bytes(decode.url, prefix)
             kv_bytes = moved - seen if moved is not None and seen is not None else None
+            seen = moved
             answers.append({**got, "equal": got["text"] == expected, "expected": expected, "kv_bytes": kv_bytes})
         result["answers"] = answers
         progress(f"    answers equal to colocated: {answers_cell(result)}")

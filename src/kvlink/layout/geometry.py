@@ -19,7 +19,7 @@ from kvlink.layout.page_order import (
     check_page_order,
     unit_segments,
 )
-from kvlink.layout.spec import DTYPE_BYTES, GDN, MLA, Mamba2, ModelSpec, ShardedPart, is_ssm
+from kvlink.layout.spec import GDN, MLA, Mamba2, ModelSpec, ShardedPart, is_ssm
 from kvlink.layout.tensors import TensorSpec, check_block_sizes, kv_tensor_specs, ssm_part_bytes
 
 RegionKind = Literal["attention", "mla", "ssm"]
@@ -170,13 +170,12 @@ class WorkerGeometry:
 def ssm_sub_parts(group: Mamba2 | GDN, tp_size: int, dtype_bytes: int) -> tuple[SubPart, ...]:
     """Byte offsets and lengths of an SSM page's parts (conv x|B|C or Q|K|V, then state)."""
     parts = (*group.conv_parts(), group.state_part())
-    state_bytes = DTYPE_BYTES[group.state_dtype] if group.state_dtype else dtype_bytes
     return tuple(
         SubPart(
             name=part.name,
             offset=offset,
             length=length,
-            unit_bytes=part.unit_elems * (state_bytes if part is parts[-1] else dtype_bytes),
+            unit_bytes=length // part.units_on_rank(tp_size),
             part=part,
         )
         for part, (offset, length) in zip(parts, ssm_part_bytes(group, tp_size, dtype_bytes), strict=True)

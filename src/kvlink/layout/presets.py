@@ -21,12 +21,14 @@ DEEPSEEK_MLA = ModelSpec(
     groups=(MLA(latent_dim=576),), layer_groups=(0,) * 61,
 )
 
+_TINY_MAMBA2 = Mamba2(num_heads=8, head_dim=16, n_groups=2, d_state=16, conv_kernel=4)
+
 # The reference engine's tiny hybrid model allocates exactly this geometry.
 TINY_HYBRID = ModelSpec(
     name="hybrid-mamba2", num_kv_heads=4, head_dim=32, dtype="float32",
     groups=(
         FullAttention(),
-        Mamba2(num_heads=8, head_dim=16, n_groups=2, d_state=16, conv_kernel=4),
+        _TINY_MAMBA2,
     ),
     layer_groups=(0, 1, 0, 1),
 )
@@ -34,8 +36,7 @@ TINY_HYBRID = ModelSpec(
 # The same model with its conv state row-first ("SD", vLLM's default layout).
 TINY_HYBRID_SD = replace(
     TINY_HYBRID, name="hybrid-mamba2-sd",
-    groups=(TINY_HYBRID.groups[0], Mamba2(num_heads=8, head_dim=16, n_groups=2, d_state=16, conv_kernel=4,
-                                          conv_layout="SD")),
+    groups=(FullAttention(), replace(_TINY_MAMBA2, conv_layout="SD")),
 )
 
 PRESETS: dict[str, ModelSpec] = {

@@ -72,22 +72,29 @@ class AttentionMixer:
         return F.linear(paged_attention(q, k, v, positions, kernel_table, cache), self.wo)
 
 
-def state_views(slices: tuple[PageSlice, ...], conv_layout: str, page: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Views of one SSM page: each conv sub-projection as `[channels, rows]` (strided for SD), the state."""
-    state = slices[-1]
-    views = {state.name: page[state.offset : state.offset + state.numel].view(state.shape)}
-    if conv_layout == "DS":
-        views.update({s.name: page[s.offset : s.offset + s.numel].view(s.shape) for s in slices[:-1]})
+class StateViews:
+    """Views of one SSM page: each conv sub-projection as `[channels, rows]` (strided for SD),
+    and the state. The split is worked out once, from the page slices."""
+
+    def __init__(self, slices: tuple[PageSlice, ...], conv_layout: str) -> None:
+        self.state, conv = slices[-1], slices[:-1]
+        self.ds = conv if conv_layout == "DS" else ()
+        names = list(dict.fromkeys(s.name.rsplit(".", 1)[0] for s in conv))
+        self.rows = len(conv) // len(names)
+        self.columns: list[tuple[str, int, int]] = []  # SD: (sub-projection, first column, width)
+        start = 0
+        for name, s in zip(names, conv[: len(names)], strict=True) if not self.ds else ():
+            self.columns.append((name, start, s.numel))
+            start += s.numel
+
+    def __call__(self, page: torch.Tensor) -> dict[str, torch.Tensor]:
+        state = self.state
+        views = {state.name: page[state.offset : state.offset + state.numel].view(state.shape)}
+        views.update({s.name: page[s.offset : s.offset + s.numel].view(s.shape) for s in self.ds})
+        if self.columns:
+            conv = page[: state.offset].view(self.rows, -1)
+            views.update({name: conv[:, start : start + width].T for name, start, width in self.columns})
         return views
-    names = list(dict.fromkeys(s.name.rsplit(".", 1)[0] for s in slices[:-1]))
-    widths = [s.numel for s in slices[: len(names)]]
-    rows = (len(slices) - 1) // len(names)
-    conv = page[: state.offset].view(rows, sum(widths))
-    start = 0
-    for name, width in zip(names, widths, strict=True):
-        views[name] = conv[:, start : start + width].T
-        start += width
-    return views
 
 
 class Mamba2Mixer:
@@ -118,7 +125,7 @@ class Mamba2Mixer:
         self.w_out = init.linear(hidden, d_inner)[:, x_rows]
         heads_per_group = heads // n_groups
         self.head_group = torch.arange(h0, h0 + hn) // heads_per_group - g0
-        self.slices, self.conv_layout = ssm_page_slices(group, tp), group.conv_layout
+        self.views = StateViews(ssm_page_slices(group, tp), group.conv_layout)
         self.heads, self.head_dim, self.d_state = hn, head_dim, d_state
 
     def _conv(self, new: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, fresh: bool) -> torch.Tensor:
@@ -131,7 +138,7 @@ class Mamba2Mixer:
 
     def __call__(self, x: torch.Tensor, page: torch.Tensor, fresh: bool) -> torch.Tensor:
         num_new = x.shape[0]
-        views = state_views(self.slices, self.conv_layout, page)
+        views = self.views(page)
         xs = self._conv(F.linear(x, self.w_x), self.conv_x, views["conv_x"], fresh)
         b = self._conv(F.linear(x, self.w_b), self.conv_b, views["conv_B"], fresh)
         c = self._conv(F.linear(x, self.w_c), self.conv_c, views["conv_C"], fresh)

@@ -24,6 +24,7 @@ from vllm.logger import init_logger
 
 from kvlink.connector.api import StepMetadata
 from kvlink.integrations.vllm.layout import (
+    SSM_KINDS,
     SUPPORTED_LAYOUT,
     GroupInfo,
     UnsupportedVllmLayout,
@@ -135,7 +136,7 @@ def _kv_groups(kv_cache_config: KVCacheConfig | None) -> list[GroupInfo]:
                                  _dtype_name(spec.dtype), num_kv_heads=int(spec.num_kv_heads),
                                  head_dim=int(spec.head_size), block_size=int(spec.block_size),
                                  sliding_window=window))
-        elif kind == "MambaSpec" and _mamba_kind(spec) in ("mamba2", "gdn"):
+        elif kind == "MambaSpec" and _mamba_kind(spec) in SSM_KINDS:
             # One dtype per state shape: the conv state's, then the SSM state's.
             conv_dtype, *state_dtypes = (_dtype_name(d) for d in spec.dtypes)
             state_dtype = state_dtypes[0] if len(state_dtypes) == 1 else "+".join(state_dtypes)
@@ -174,7 +175,7 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
         groups = with_kv_dtype(_kv_groups(kv_cache_config), kv_dtype)
         hybrid = len(groups) > 1
         tp_size = parallel.tensor_parallel_size
-        if hybrid and tp_size != 1 and not any(g.kind in ("mamba2", "gdn") for g in groups):
+        if hybrid and tp_size != 1 and not any(g.kind in SSM_KINDS for g in groups):
             raise UnsupportedVllmLayout(f"kvlink: attention models of several KV-cache groups (sliding window, "
                                         f"hybrid allocator on) inside vLLM move at TP 1 only; this engine "
                                         f"runs TP {tp_size}")
@@ -305,7 +306,7 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
         isa = resolved_isa({name: (layer.attn_backend.get_name(), getattr(layer, "isa", None))
                             for name, layer in layers.items()})
         scales = sorted(set(self._work().model.kv_scales))
-        conv = sorted({(g.kind, g.conv_layout) for g in self._groups if g.kind in ("mamba2", "gdn")})
+        conv = sorted({(g.kind, g.conv_layout) for g in self._groups if g.kind in SSM_KINDS})
         for kind, layout in conv:
             _vllm_log.info("kvlink: vLLM's %s layers keep their conv state %s (moved as it lies)",
                            "Mamba2" if kind == "mamba2" else "GDN", layout)

@@ -185,6 +185,7 @@ class GroupInfo:
 
 
 ATTENTION_KINDS = ("attention", "sliding")
+SSM_KINDS = ("mamba2", "gdn")
 
 
 def attention_groups(groups: Sequence[GroupInfo]) -> list[GroupInfo]:
