@@ -15,7 +15,8 @@ from kvlink.layout.presets import TINY_HYBRID
 from kvlink.layout.spec import GDN, MLA, FullAttention, GroupSpec, Mamba2, ModelSpec, SlidingWindow
 from kvlink.plan.compat import IncompatibleLayout, check_configuration
 from kvlink.plan.tp_mapping import compute_tp_mapping, consumers_per_producer
-from kvlink.plan.transfer_plan import build_transfer_plan
+from kvlink.plan.request import ReadSpec
+from kvlink.plan.transfer_plan import TransferPlan, build_transfer_plan
 
 TP_PAIRS = [(p, d) for p in (1, 2, 4, 8) for d in (1, 2, 4, 8)]
 BLOCK_SIZES = st.sampled_from([8, 16, 32, 64])
@@ -95,9 +96,27 @@ def _tokens(model: ModelSpec, start_of: list[int], end: int) -> list[np.ndarray]
     return [np.arange(start_of[g], end, dtype=np.int64) for g in range(len(model.groups))]
 
 
+def _layerwise_specs(plan: TransferPlan, model: ModelSpec, d_ids: list[np.ndarray], p_ids: list[np.ndarray],
+                     shipped: int, computed: int, rng: np.random.Generator) -> list[list[ReadSpec]]:
+    """The request cut as a layerwise write cuts it: token ranges on chunk boundaries, one
+    layer at a time, in random order; the SSM state comes with the range that ends the prompt."""
+    c = plan.chunk_tokens
+    inner = sorted({int(x) * c for x in rng.integers(0, shipped // c + 1, size=int(rng.integers(0, 4)))})
+    bounds = sorted({0, shipped, *[b for b in inner if b < shipped]})
+    parts = [(lo, hi, layer) for lo, hi in zip(bounds, bounds[1:], strict=False)
+             for layer in range(model.num_layers)]
+    if shipped == 0:
+        parts = [(0, 0, layer) for layer in range(model.num_layers)]
+    order = rng.permutation(len(parts))
+    return [plan.request_ids(d_ids, p_ids, shipped, computed, tokens=parts[i][:2], layers=[parts[i][2]])
+            for i in order]
+
+
 def run_scenario(model: ModelSpec, p: Side, d: Side, shipped: int, prefix_blocks: int,
-                 seed: int, page_order: str = "token_major") -> list[list[int]]:
-    """Simulate every D rank; returns, per D rank, the P ranks it read bytes from."""
+                 seed: int, page_order: str = "token_major", layerwise: bool = False) -> list[list[int]]:
+    """Simulate every D rank; returns, per D rank, the P ranks it read bytes from.
+
+    `layerwise`: the same request moved in parts (token ranges x layers), as P streams it."""
     rng = np.random.default_rng(seed)
     prompt = shipped + 1
     computed = prefix_blocks * d.block_size
@@ -133,7 +152,15 @@ def run_scenario(model: ModelSpec, p: Side, d: Side, shipped: int, prefix_blocks
         plan = build_transfer_plan(reader.geometry, geometries)
         specs = plan.request_ids(d_ids, p_ids, shipped, computed)
         assert [s.src_rank for s in specs] == list(plan.mapping.source_ranks)
-        sim.execute(plan, specs, reader, sources)
+        if layerwise:
+            parts = _layerwise_specs(plan, model, d_ids, p_ids, shipped, computed, rng)
+            for rank_specs in zip(*parts, strict=True):
+                assert sum(s.nbytes for s in rank_specs) == specs[[x.src_rank for x in specs].index(
+                    rank_specs[0].src_rank)].nbytes, "the parts do not add up to the request"
+            for part in parts:
+                sim.execute(plan, part, reader, sources)
+        else:
+            sim.execute(plan, specs, reader, sources)
         assert reader.writes.max(initial=0) <= 1, "a destination byte was written twice"
         outside = ~sim.destination_mask(reader, d_ids)
         assert np.array_equal(reader.data[outside], before[outside]), "bytes outside the destination changed"
@@ -191,6 +218,38 @@ def _scenario(data: st.DataObject, model: ModelSpec, p_tp: int, d_tp: int) -> No
 @given(data=st.data())
 def test_transfer_is_byte_exact(mix: str, p_tp: int, d_tp: int, data: st.DataObject) -> None:
     _scenario(data, data.draw(models(mix), "model"), p_tp, d_tp)
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (2, 1), (1, 2), (4, 2)])
+@pytest.mark.parametrize("mix", MIXES)
+@SETTINGS
+@given(data=st.data())
+def test_layerwise_parts_are_byte_exact(mix: str, p_tp: int, d_tp: int, data: st.DataObject) -> None:
+    """Token ranges x layers, posted in any order, write every destination byte once and
+    rebuild exactly what one whole-request transfer does."""
+    model = data.draw(models(mix), "model")
+    p, d = data.draw(sides(p_tp), "P"), data.draw(sides(d_tp), "D")
+    if not _valid(model, p, d):
+        return
+    shipped = data.draw(st.integers(0, 300), "shipped")
+    prefix_blocks = data.draw(st.integers(0, shipped // d.block_size), "prefix blocks")
+    run_scenario(model, p, d, shipped, prefix_blocks, data.draw(st.integers(0, 2**16), "seed"), layerwise=True)
+
+
+def test_layerwise_range_must_sit_on_chunks() -> None:
+    model = ModelSpec("m", 2, 4, "float32", (FullAttention(),), (0, 0))
+    p = sim.make_worker(model, 1, 0, 16, 16, 8, 0, np.random.default_rng(0), "token_major")
+    d = sim.make_worker(model, 1, 0, 32, 32, 8, 1, np.random.default_rng(1), "token_major")
+    plan = build_transfer_plan(d.geometry, {0: p.geometry})
+    ids, p_ids = [np.arange(4)], [np.arange(8)]
+    with pytest.raises(ValueError, match="chunks of 16 tokens"):
+        plan.request_ids(ids, p_ids, 100, tokens=(0, 40))
+    with pytest.raises(ValueError, match=r"must lie in \[0, 100\]"):
+        plan.request_ids(ids, p_ids, 100, tokens=(48, 120))
+    (tail,) = plan.request_ids(ids, p_ids, 100, tokens=(96, 100), layers=[1])
+    (whole,) = plan.request_ids(ids, p_ids, 100)
+    assert tail.nbytes * 14 == whole.nbytes  # one chunk of 16 tokens of one layer, of 7 x 2
+    assert not len(plan.request_ids(ids, p_ids, 100, tokens=(96, 100), layers=[5])[0].local_idx)
 
 
 def test_refused_tp_names_the_part() -> None:

@@ -24,6 +24,10 @@ class AttentionSegment:
     local_block_span: int
     remote_block_span: int
     chunk_bytes: int
+    # Per region entry: its model layer and the bytes it moves per token chunk (a layerwise
+    # write posts a subset of the entries; `chunk_bytes` is their sum over all of them).
+    layers: IntArray
+    region_chunk_bytes: IntArray
 
 
 @dataclass(frozen=True, eq=False)
@@ -34,6 +38,8 @@ class SsmSegment:
     local_starts: IntArray
     remote_starts: IntArray
     block_bytes: int
+    layers: IntArray  # per piece: its model layer
+    piece_bytes: IntArray
 
 
 @dataclass(frozen=True, eq=False)

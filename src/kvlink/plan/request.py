@@ -114,6 +114,9 @@ def request_ids(
     remote_block_ids: Sequence[Sequence[int] | IntArray],
     num_tokens_to_ship: int,
     local_computed_tokens: int = 0,
+    *,
+    tokens: tuple[int, int] | None = None,
+    layers: Sequence[int] | None = None,
 ) -> list[ReadSpec]:
     """Descriptor indices for one request, one ReadSpec per source rank of the plan.
 
@@ -123,6 +126,12 @@ def request_ids(
     SSM groups move only the state in the last block of each list, and move it whenever
     `num_tokens_to_ship > 0`, even when D's prefix hit covers every token: D's cached
     attention blocks do not give it the state after those tokens.
+
+    A layerwise write moves a part of that, and the parts of one request are disjoint:
+    `tokens=(start, end)` keeps the attention chunks whose first token lies in
+    `[start, end)` (both multiples of `plan.chunk_tokens`, or `end = num_tokens_to_ship`),
+    and leaves the SSM state out unless `end` is `num_tokens_to_ship` (the state is final
+    only then); `layers` keeps only the regions of those model layers.
     """
     model = plan.local.model
     num_groups = len(model.groups)
@@ -134,20 +143,37 @@ def request_ids(
                          f"multiple of the local block size {plan.local.block_size}")
     if num_tokens_to_ship < 0:
         raise ValueError(f"num_tokens_to_ship must be non-negative, got {num_tokens_to_ship}")
+    lo, hi, with_state = _token_window(plan, num_tokens_to_ship, tokens)
+    keep = None if layers is None else np.asarray(sorted(set(layers)), dtype=np.int64)
     local_ids = [np.asarray(ids, dtype=np.int64) for ids in local_block_ids]
     remote_ids = [np.asarray(ids, dtype=np.int64) for ids in remote_block_ids]
     positions: dict[int, _ChunkPositions] = {}
     state_blocks: dict[int, tuple[int, int]] = {}
     for g, group in enumerate(model.groups):
         if is_ssm(group):
-            if num_tokens_to_ship > 0:
+            if num_tokens_to_ship > 0 and with_state:
                 state_blocks[g] = _state_blocks(plan, g, local_ids[g], remote_ids[g])
             continue
-        start = first_token_to_ship(plan, g, num_tokens_to_ship, local_computed_tokens)
-        if start < num_tokens_to_ship:
+        start = max(lo, first_token_to_ship(plan, g, num_tokens_to_ship, local_computed_tokens))
+        end = min(hi, num_tokens_to_ship)
+        if start < end:
             positions[g] = _chunk_positions(plan, g, local_ids[g], remote_ids[g], start,
-                                            num_tokens_to_ship, local_computed_tokens)
-    return [_source_read(source, positions, state_blocks, num_groups) for source in plan.sources]
+                                            end, local_computed_tokens)
+    return [_source_read(source, positions, state_blocks, num_groups, keep) for source in plan.sources]
+
+
+def _token_window(plan: PreparedPlan, num_tokens: int, tokens: tuple[int, int] | None) -> tuple[int, int, bool]:
+    """(start, end, with SSM state) of a part of the request; the whole request when None."""
+    if tokens is None:
+        return 0, num_tokens, True
+    start, end = tokens
+    c = plan.chunk_tokens
+    if not 0 <= start <= end <= num_tokens:
+        raise ValueError(f"token range [{start}, {end}) must lie in [0, {num_tokens}]")
+    if start % c or (end % c and end != num_tokens):
+        raise ValueError(f"token range [{start}, {end}) must start and end on chunks of {c} tokens "
+                         f"(or end at {num_tokens})")
+    return start, end, end == num_tokens
 
 
 def _state_blocks(plan: PreparedPlan, g: int, local_ids: IntArray, remote_ids: IntArray) -> tuple[int, int]:
@@ -161,7 +187,8 @@ def _state_blocks(plan: PreparedPlan, g: int, local_ids: IntArray, remote_ids: I
 
 
 def _source_read(source: SourcePlan, positions: dict[int, _ChunkPositions],
-                 state_blocks: dict[int, tuple[int, int]], num_groups: int) -> ReadSpec:
+                 state_blocks: dict[int, tuple[int, int]], num_groups: int,
+                 layers: IntArray | None = None) -> ReadSpec:
     local_parts: list[tuple[IntArray, IntArray]] = []
     remote_parts: list[tuple[IntArray, IntArray]] = []
     touched: list[IntArray] = [_EMPTY] * num_groups
@@ -170,19 +197,33 @@ def _source_read(source: SourcePlan, positions: dict[int, _ChunkPositions],
         pos = positions.get(seg.group)
         if pos is None:
             continue
+        local_starts, remote_starts, chunk_bytes = seg.local_region_starts, seg.remote_region_starts, seg.chunk_bytes
+        if layers is not None:
+            mask = np.isin(seg.layers, layers)
+            if not mask.any():
+                continue
+            local_starts, remote_starts = local_starts[mask], remote_starts[mask]
+            chunk_bytes = int(seg.region_chunk_bytes[mask].sum())
         local_offsets, remote_offsets = _segment_offsets(seg, pos)
-        local_parts.append((seg.local_region_starts, local_offsets))
-        remote_parts.append((seg.remote_region_starts, remote_offsets))
+        local_parts.append((local_starts, local_offsets))
+        remote_parts.append((remote_starts, remote_offsets))
         touched[seg.group] = pos.touched
-        nbytes += seg.chunk_bytes * pos.local_kernel.size
+        nbytes += chunk_bytes * pos.local_kernel.size
     for ssm in source.ssm:
         if ssm.group not in state_blocks:
             continue
         local_block, remote_block = state_blocks[ssm.group]
-        local_parts.append((ssm.local_starts, np.array([local_block], dtype=np.int64)))
-        remote_parts.append((ssm.remote_starts, np.array([remote_block], dtype=np.int64)))
+        local_starts, remote_starts, block_bytes = ssm.local_starts, ssm.remote_starts, ssm.block_bytes
+        if layers is not None:
+            mask = np.isin(ssm.layers, layers)
+            if not mask.any():
+                continue
+            local_starts, remote_starts = local_starts[mask], remote_starts[mask]
+            block_bytes = int(ssm.piece_bytes[mask].sum())
+        local_parts.append((local_starts, np.array([local_block], dtype=np.int64)))
+        remote_parts.append((remote_starts, np.array([remote_block], dtype=np.int64)))
         touched[ssm.group] = np.array([local_block], dtype=np.int64)
-        nbytes += ssm.block_bytes
+        nbytes += block_bytes
     return ReadSpec(
         src_rank=source.src_rank,
         local_idx=concat_descriptor_ids(local_parts),

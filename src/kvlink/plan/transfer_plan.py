@@ -35,10 +35,13 @@ class TransferPlan(PreparedPlan):
         remote_block_ids: Sequence[Sequence[int] | IntArray],
         num_tokens_to_ship: int,
         local_computed_tokens: int = 0,
+        *,
+        tokens: tuple[int, int] | None = None,
+        layers: Sequence[int] | None = None,
     ) -> list[ReadSpec]:
         """One ReadSpec per source rank; see `kvlink.plan.request.request_ids`."""
         return request_ids(self, local_block_ids, remote_block_ids, num_tokens_to_ship,
-                           local_computed_tokens)
+                           local_computed_tokens, tokens=tokens, layers=layers)
 
 
 @dataclass
@@ -95,7 +98,7 @@ def _build_source(plan_args: _PlanArgs, src: int) -> SourcePlan:
     local, remote, mapping, chunk = plan_args.local, plan_args.remotes[src], plan_args.mapping, plan_args.chunk
     whole = local.kernel_block_size == remote.kernel_block_size
     local_list, remote_list = _ListBuilder(local.device_id, []), _ListBuilder(remote.device_id, [])
-    att: dict[int, list[tuple[int, int, int, int]]] = {}
+    att: dict[int, list[tuple[int, int, int, int, int]]] = {}
     for local_reg, remote_reg in zip(local.attention_regions, remote.attention_regions, strict=True):
         key = "kv" if local_reg.kind == "attention" else f"g{local_reg.group}.latent"
         runs = mapping.runs_from(key, src)
@@ -107,8 +110,9 @@ def _build_source(plan_args: _PlanArgs, src: int) -> SourcePlan:
                                  np.tile(lens, l_chunks))
         r_start = remote_list.add(remote_reg, remote_reg.num_pages, _chunk_offsets(r_off, r_chunks, lens),
                                   np.tile(lens, r_chunks))
-        att.setdefault(local_reg.group, []).append((l_start, r_start, len(lens), int(lens.sum())))
-    ssm: dict[int, list[tuple[int, int, int]]] = {}
+        att.setdefault(local_reg.group, []).append((l_start, r_start, len(lens), int(lens.sum()),
+                                                    local_reg.layer))
+    ssm: dict[int, list[tuple[int, int, int, int]]] = {}
     for local_reg, remote_reg in zip(local.ssm_regions, remote.ssm_regions, strict=True):
         for l_sub, r_sub in zip(local_reg.sub_parts, remote_reg.sub_parts, strict=True):
             for run in mapping.runs_from(f"g{local_reg.group}.{l_sub.name}", src):
@@ -119,7 +123,7 @@ def _build_source(plan_args: _PlanArgs, src: int) -> SourcePlan:
                                          np.array([l_byte], dtype=np.int64), lens)
                 r_start = remote_list.add(remote_reg, remote_reg.num_pages,
                                           np.array([r_byte], dtype=np.int64), lens)
-                ssm.setdefault(local_reg.group, []).append((l_start, r_start, length))
+                ssm.setdefault(local_reg.group, []).append((l_start, r_start, length, local_reg.layer))
     l_kbs, r_kbs = local.kernel_block_size, remote.kernel_block_size
     attention = tuple(
         AttentionSegment(
@@ -130,12 +134,16 @@ def _build_source(plan_args: _PlanArgs, src: int) -> SourcePlan:
             local_block_span=(l_kbs // chunk) * entries[0][2],
             remote_block_span=(r_kbs // chunk) * entries[0][2],
             chunk_bytes=sum(e[3] for e in entries),
+            layers=np.array([e[4] for e in entries], dtype=np.int64),
+            region_chunk_bytes=np.array([e[3] for e in entries], dtype=np.int64),
         )
         for g, entries in sorted(att.items())
     )
     ssm_segments = tuple(
         SsmSegment(g, np.array([e[0] for e in entries], dtype=np.int64),
-                   np.array([e[1] for e in entries], dtype=np.int64), sum(e[2] for e in entries))
+                   np.array([e[1] for e in entries], dtype=np.int64), sum(e[2] for e in entries),
+                   np.array([e[3] for e in entries], dtype=np.int64),
+                   np.array([e[2] for e in entries], dtype=np.int64))
         for g, entries in sorted(ssm.items())
     )
     return SourcePlan(src, local_list.array(), remote_list.array(), attention, ssm_segments)
