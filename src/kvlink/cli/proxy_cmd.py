@@ -19,6 +19,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout-s", type=ranged(SECONDS), default=120.0,
                         help="deadline of each upstream call (and between streamed chunks)")
     parser.add_argument("--connect-timeout-s", type=ranged(SECONDS), default=5.0)
+    parser.add_argument("--mode", choices=("classic", "layerwise"), default="classic",
+                        help="classic: P prefills, then D loads with P's params; layerwise: P and D "
+                             "get the request at once and P writes each layer into D's blocks as it "
+                             "prefills (a request may also ask with kv_transfer_params.transfer_mode)")
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -45,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # our own line per request says it all
     app = build_proxy_app(args.prefill, args.decode, timeout_s=args.timeout_s,
-                          connect_timeout_s=args.connect_timeout_s)
+                          connect_timeout_s=args.connect_timeout_s, mode=args.mode)
     url = f"http://{args.host}:{args.port}"
     app.router.add_event_handler(
         "startup", lambda: print(f"kvlink proxy on {url}: prefill {' '.join(args.prefill)}, "

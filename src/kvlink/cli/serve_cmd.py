@@ -58,7 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kernel-block-size", type=ranged(BLOCK_SIZE), default=None,
                         help="tokens per kernel block, dividing --block-size (default: --block-size)")
     parser.add_argument("--load-failure-policy", choices=("fail", "recompute"), default="fail")
-    parser.add_argument("--transfer-mode", choices=("pull", "push"), default="pull")
+    parser.add_argument("--transfer-mode", choices=("pull", "push", "layerwise"), default="pull",
+                        help="P: how D gets the KV unless a request says (layerwise: P writes each layer "
+                             "into D's blocks while it prefills, when D asks first; see docs/layerwise.md)")
     parser.add_argument("--stall-timeout-s", type=seconds, default=10.0,
                         help="a KV transfer with no progress for this long fails (its blocks are invalid)")
     parser.add_argument("--quarantine-s", type=ranged(SECONDS_OR_ZERO), default=60.0,
@@ -153,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
     if args.role != "both" and args.insecure_unsigned_params:
         metrics.gauges["insecure_unsigned_params"] = lambda: 1.0
     app = build_app(engine, served.tokenizer, served.model_name, args.role, metrics,
-                    max_model_len=served.max_model_len, warnings=served.warnings)
+                    max_model_len=served.max_model_len, warnings=served.warnings,
+                    kv_endpoint=served.kv_endpoint)
     url = f"http://{args.host}:{args.port}"
     app.router.add_event_handler(
         "startup", lambda: print(f"kvlink {args.role} instance serving {served.model_name} "

@@ -15,12 +15,12 @@ Call order per engine step (see docs/connector-api.md):
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 LoadFailurePolicy = Literal["recompute", "fail"]
-TransferMode = Literal["pull", "push"]
+TransferMode = Literal["pull", "push", "layerwise"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,9 @@ class StepMetadata:
     # the worker seals them right after the forward (`NixlWorker.seal_now`), so their
     # digests are in place before P's answer leaves the engine.
     seals: list[dict[str, Any]] = field(default_factory=list)
+    # P (layerwise): requests whose layers go to D as the forward produces them, once D asks:
+    # {"request_id", "prompt_hash", "num_tokens"} (tokens P computes, prompt length - 1).
+    streams: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,12 @@ class ConnectorWorker(abc.ABC):
     @abc.abstractmethod
     def get_finished(self) -> WorkerOutput:
         """Poll transfers, notifications and leases; report what finished or failed."""
+
+    def layer_sink(self) -> Callable[..., None] | None:
+        """What the engine's forward calls after each layer of a P prefill, as
+        `sink(request_id, layer, tokens_computed_after_this_forward, block_tables)` (layerwise
+        mode writes that layer's new pages to D right then); None: nothing to stream."""
+        return None
 
     def get_stats(self) -> dict[str, Any]:
         """Accumulated transfer stats since the last call."""

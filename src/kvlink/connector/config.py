@@ -36,6 +36,9 @@ class ConnectorConfig:
     engine_ttl_s: float = bounded(SECONDS, 600.0)
     load_failure_policy: LoadFailurePolicy = "fail"
     transfer_mode: TransferMode = "pull"
+    # Layerwise (D first, P writes each layer as it prefills): how long D waits for P's
+    # last write past the usual stall and handshake deadlines; P's queue and prefill are in it.
+    layerwise_wait_s: float = bounded(SECONDS, 60.0)
     # Per reader worker and P kernel block size: staging pages for reads between different
     # kernel block sizes of a non token-major page order (kvlink.plan.staged). Allocated at
     # the first such handshake and touched only as READs land.
@@ -69,8 +72,10 @@ class ConnectorConfig:
         check_fields(self)
         if self.load_failure_policy not in ("recompute", "fail"):
             raise ValueError(f"load_failure_policy must be 'recompute' or 'fail', got {self.load_failure_policy!r}")
-        if self.transfer_mode not in ("pull", "push"):
-            raise ValueError(f"transfer_mode must be 'pull' or 'push', got {self.transfer_mode!r}")
+        if self.transfer_mode not in ("pull", "push", "layerwise"):
+            raise ValueError(f"transfer_mode must be 'pull', 'push' or 'layerwise', got {self.transfer_mode!r}")
+        if self.layerwise_wait_s <= 0:
+            raise ValueError(f"layerwise_wait_s must be > 0, got {self.layerwise_wait_s}")
         if self.verify_kv not in VERIFY_MODES:
             raise ValueError(f"verify_kv must be 'off', 'sample' or 'full', got {self.verify_kv!r}")
 

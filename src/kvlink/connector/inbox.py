@@ -48,4 +48,4 @@ def drain_notifications(agent: NixlAgent, secret: bytes | None, stats: Connector
             elif isinstance(msg, PushRequest):
                 push.on_push_request(msg, now)
             elif isinstance(msg, Pushed):
-                push.on_pushed(msg.request_id, sender)
+                push.on_pushed(msg.request_id, sender, msg.remote_block_ids)

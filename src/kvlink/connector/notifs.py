@@ -57,9 +57,12 @@ class PushRequest:
 
 @dataclass(frozen=True)
 class Pushed:
-    """P -> D (push mode), attached to P's WRITE: the data for D's `request_id` has landed."""
+    """P -> D (push mode), attached to P's WRITE: the data for D's `request_id` has landed.
+    Layerwise, P also names the blocks it prefilled into (D had no params from P to learn
+    them from, and its digest check reads P's digests of those blocks)."""
 
     request_id: str
+    remote_block_ids: tuple[tuple[int, ...], ...] | None = None
 
 
 Notification = Done | Heartbeat | PushRequest | Pushed
@@ -80,6 +83,10 @@ def _encode_body(msg: Notification) -> bytes:
     if isinstance(msg, PushRequest):
         body = json.dumps({"request_id": msg.request_id, "info": msg.info}, separators=(",", ":"))
         return f"{PREFIX}:push:0:".encode() + body.encode()
+    if msg.remote_block_ids is not None:
+        body = json.dumps({"request_id": msg.request_id, "remote_block_ids": msg.remote_block_ids},
+                          separators=(",", ":"))
+        return f"{PREFIX}:pushed:1:".encode() + body.encode()
     return f"{PREFIX}:pushed:0:{msg.request_id}".encode()
 
 
@@ -108,7 +115,7 @@ def decode(raw: bytes, secret: bytes | None = None) -> Notification:
         if count <= 0 or not rest:
             raise BadNotification(f"done notification needs a request id and expected > 0: {text[:80]!r}")
         return Done(rest, count)
-    if kind == "pushed" and rest:
+    if kind == "pushed" and rest and count == 0:
         return Pushed(rest)
     try:
         body = json.loads(rest)
@@ -119,6 +126,12 @@ def decode(raw: bytes, secret: bytes | None = None) -> Notification:
                 and all(isinstance(x, str) for x in body)):
             raise BadNotification("heartbeat must carry a list of request ids")
         return Heartbeat(tuple(body))
+    if kind == "pushed":
+        ids = body.get("remote_block_ids") if isinstance(body, dict) else None
+        if not (isinstance(ids, list) and isinstance(body.get("request_id"), str)
+                and all(isinstance(g, list) and all(type(b) is int and b >= 0 for b in g) for g in ids)):
+            raise BadNotification("pushed notification must carry request_id and remote_block_ids")
+        return Pushed(body["request_id"], tuple(tuple(g) for g in ids))
     if kind == "push":
         if not (isinstance(body, dict) and isinstance(body.get("request_id"), str)
                 and isinstance(body.get("info"), dict)):

@@ -54,6 +54,9 @@ class RemotePrefillParams(msgspec.Struct, forbid_unknown_fields=False):
     kv_expires_at_ms: int | None = None  # Unix time in ms on P's clock: end of P's lease
 
 
+TRANSFER_MODES = ("pull", "push", "layerwise")
+
+
 def _normalize_block_ids(raw: Any) -> Any:
     """Accept one flat list (single group, as vLLM sends without HMA) or a list per group."""
     if isinstance(raw, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in raw):
@@ -66,16 +69,22 @@ def parse_remote_prefill(params: dict[str, Any]) -> RemotePrefillParams:
     if not isinstance(params, dict):
         raise InvalidTransferParams(f"kv_transfer_params must be an object, got {type(params).__name__}")
     data = dict(params)
+    if data.get("transfer_mode") == "layerwise":
+        data.setdefault("remote_block_ids", [])
     if "remote_block_ids" in data:
         data["remote_block_ids"] = _normalize_block_ids(data["remote_block_ids"])
     try:
         parsed = msgspec.convert(data, RemotePrefillParams, strict=True)
     except msgspec.ValidationError as exc:
         raise InvalidTransferParams(f"invalid kv_transfer_params: {exc}") from None
-    if parsed.transfer_mode not in ("pull", "push"):
+    if parsed.transfer_mode not in TRANSFER_MODES:
         raise InvalidTransferParams(
-            f"kv_transfer_params.transfer_mode must be 'pull' or 'push', got {parsed.transfer_mode!r}"
+            f"kv_transfer_params.transfer_mode must be one of {', '.join(TRANSFER_MODES)}, "
+            f"got {parsed.transfer_mode!r}"
         )
+    if parsed.transfer_mode == "layerwise" and any(parsed.remote_block_ids):
+        raise InvalidTransferParams("layerwise kv_transfer_params name no remote_block_ids: P has not "
+                                    "allocated them yet, it writes into D's blocks as it prefills")
     if not 0 < parsed.remote_port < 65536:
         raise InvalidTransferParams(f"kv_transfer_params.remote_port {parsed.remote_port} is not a TCP port")
     if not 0 < parsed.tp_size <= 1024:
@@ -165,11 +174,20 @@ def wants_remote_decode(params: dict[str, Any] | None) -> bool:
 
 
 def requested_mode(params: dict[str, Any] | None) -> str | None:
-    """P side: the transfer mode a router asked for this request ("pull" or "push"), if any."""
+    """P side: the transfer mode a router asked for this request ("pull", "push" or
+    "layerwise"), if any."""
     mode = (params or {}).get("transfer_mode")
-    if mode is not None and mode not in ("pull", "push"):
-        raise InvalidTransferParams(f"kv_transfer_params.transfer_mode must be 'pull' or 'push', got {mode!r}")
+    if mode is not None and mode not in TRANSFER_MODES:
+        raise InvalidTransferParams(f"kv_transfer_params.transfer_mode must be one of "
+                                    f"{', '.join(TRANSFER_MODES)}, got {mode!r}")
     return mode
+
+
+def is_layerwise(params: RemotePrefillParams) -> bool:
+    """D side: P streams this request's KV into our blocks while it prefills; the params come
+    from the proxy, not from P (nothing to verify yet: P checks our signed push request and
+    the prompt's hash before it writes)."""
+    return params.transfer_mode == "layerwise"
 
 
 def wants_remote_prefill(params: dict[str, Any] | None) -> bool:

@@ -14,12 +14,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from kvlink.connector.handshakes import HandshakeRunner
+from kvlink.connector.layerwise import LayerProgress, Stream, tokens_ready
 from kvlink.connector.loads import Load, complete_push, transfer_record
 from kvlink.connector.notifs import Pushed, PushRequest, encode
 from kvlink.connector.remote import RemoteEngine, connect_writer, release_engine
 from kvlink.connector.worker_parts import WorkerParts
 from kvlink.layout.geometry import WorkerGeometry
+from kvlink.layout.spec import is_ssm
+from kvlink.plan.request import ReadSpec
 from kvlink.transfer.agent import NixlAgent
 from kvlink.transfer.inflight import InflightTracker
 from kvlink.transfer.xfer import Transfer, TransferFailed
@@ -32,6 +37,11 @@ class _Job:
     request: PushRequest
     received: float
     retried: bool = False  # a WRITE to a D we knew failed once: D may have restarted
+    layers: LayerProgress | None = None  # layerwise: what went to D while P prefilled
+
+    @property
+    def layerwise(self) -> bool:
+        return bool(self.request.info.get("layerwise"))
 
 
 class PushWriter:
@@ -51,6 +61,11 @@ class PushWriter:
         self.held_blocks: dict[str, list[list[int]]] = {}
         self.jobs: list[_Job] = []
         self.writes: dict[int, tuple[str, int, _Job]] = {}
+        # Layerwise (P): requests announced by the scheduler side, the jobs writing each one's
+        # layers as the forward makes them, and those layer WRITEs in flight.
+        self.streams: dict[str, Stream] = {}
+        self.streaming: dict[str, list[_Job]] = {}
+        self.layer_writes: dict[int, _Job] = {}
         # D side: what runs once every source pushed (the worker's check of the load, if any),
         # and whether a load will be checked (then its sources wait for our `done` to free)
         self.on_all_pushed: Callable[[Load], None] = self.complete
@@ -61,8 +76,9 @@ class PushWriter:
         w = self.worker
         now = w.clock()
         assert engine.plan is not None
+        layerwise = entry.get("transfer_mode") == "layerwise"
         try:  # what the sources will write: checks the ids now, and gives the request's figures
-            specs = engine.plan.request_ids(entry["local_block_ids"], entry["remote_block_ids"],
+            specs = engine.plan.request_ids(entry["local_block_ids"], _p_ids_for_figures(engine, entry),
                                             entry["num_tokens"], entry["local_computed_tokens"])
         except (ValueError, KeyError) as exc:
             w.fail_request(entry["request_id"], _blocks(entry), f"cannot plan request: {exc}", bad_params=True)
@@ -74,6 +90,8 @@ class PushWriter:
         load.push_descriptors = sum(len(spec.local_idx) for spec in specs)
         load.push_specs = list(specs)
         load.deadline = now + w.config.stall_timeout_s + w.config.handshake_timeout_s
+        if layerwise:  # P may still have its queue and the whole prefill ahead of it
+            load.deadline += w.config.layerwise_wait_s
         checked = self.will_check(engine, entry)
         for rank, name in engine.notify_agents(sources):
             info = {
@@ -87,6 +105,8 @@ class PushWriter:
                 # D reads our digests after `pushed`: free on its `done`, not on the WRITE's end
                 "checked": checked,
             }
+            if layerwise:  # P writes as it prefills, and only for the prompt it prefills
+                info.update(layerwise=True, prompt_hash=entry["prompt_hash"])
             try:
                 w.send_or_raise(name, encode(PushRequest(entry["remote_request_id"], info), w.secret), engine)
             except TransferFailed as exc:
@@ -96,15 +116,40 @@ class PushWriter:
                 return
         w.notify(engine, entry, "notify", only_extra=True)
 
-    def on_pushed(self, d_request_id: str, sender: str) -> None:
+    def on_pushed(self, d_request_id: str, sender: str,
+                  remote_block_ids: tuple[tuple[int, ...], ...] | None = None) -> None:
         w = self.worker
         load = w.book.get(d_request_id)
         if load is None or load.failed:
             log.info("late or unknown push completion for %s from %s ignored", d_request_id, sender)
             return
+        layerwise = remote_block_ids is not None and load.entry.get("transfer_mode") == "layerwise"
+        if layerwise and not self._learn_p_blocks(load, remote_block_ids or ()):
+            return
         load.pushes_seen.add(sender)
         if len(load.pushes_seen) == load.pushes_expected:
             self.on_all_pushed(load)
+
+    def _learn_p_blocks(self, load: Load, ids: tuple[tuple[int, ...], ...]) -> bool:
+        """Layerwise: P's blocks, known now; the digest check of the load reads P's digests of
+        them. Every source rank names the same blocks (P's ranks share one block table)."""
+        w = self.worker
+        listed = [list(g) for g in ids]
+        known = load.entry.get("remote_block_ids") or []
+        if any(known) and known != listed:
+            w.fail_request(load.request_id, load.blocks, "P's ranks named different blocks for one request")
+            return False
+        engine = w.engines.get(load.entry["remote_engine_id"])
+        if not any(known) and engine is not None and engine.plan is not None:
+            load.entry = {**load.entry, "remote_block_ids": listed}
+            try:
+                load.push_specs = engine.plan.request_ids(
+                    load.entry["local_block_ids"], listed, load.entry["num_tokens"],
+                    load.entry["local_computed_tokens"])
+            except (ValueError, KeyError) as exc:
+                w.fail_request(load.request_id, load.blocks, f"P named blocks that cannot hold the request: {exc}")
+                return False
+        return True
 
     def complete(self, load: Load) -> None:
         complete_push(self.worker.book, self.worker.out, load, self.worker.clock())
@@ -115,9 +160,68 @@ class PushWriter:
 
     def forget_blocks(self, request_id: str) -> None:
         self.held_blocks.pop(request_id, None)
+        self.end_stream(request_id)
+
+    def open_stream(self, entry: dict[str, object]) -> None:
+        rid = str(entry["request_id"])
+        self.streams[rid] = Stream(rid, str(entry["prompt_hash"]), int(str(entry["num_tokens"])))
+
+    def end_stream(self, request_id: str) -> None:
+        """P freed the request (D read it, its lease ran out, or it was aborted)."""
+        self.streams.pop(request_id, None)
+        self.streaming.pop(request_id, None)
 
     def on_push_request(self, msg: PushRequest, now: float) -> None:
         self.jobs.append(_Job(msg, now))
+
+    def save_kv_layer(self, request_id: str, layer: int, computed: int, tables: list[Any]) -> None:
+        """After `layer` of a forward of `request_id`: WRITE that layer's chunks that are now
+        complete to every D rank that asked, if their connection is ready."""
+        jobs = self.streaming.get(request_id)
+        if not jobs:
+            return
+        p_ids: list[list[int]] | None = None
+        for job in jobs:
+            progress, info = job.layers, job.request.info
+            reader = self.readers.get((str(info["d_engine_id"]), int(info["d_rank"])))
+            if progress is None or progress.failed or reader is None or reader.plan is None:
+                continue
+            num_tokens = int(info["num_tokens"])
+            start, end = progress.sent[layer], tokens_ready(computed, num_tokens, reader.plan.chunk_tokens)
+            if end <= start:
+                continue
+            if p_ids is None:
+                p_ids = [[int(b) for b in t.tolist()] for t in tables]
+            try:
+                (spec,) = reader.plan.request_ids(info["local_block_ids"], p_ids, num_tokens,
+                                                  int(info["local_computed_tokens"]), tokens=(start, end),
+                                                  layers=[layer])
+            except (KeyError, TypeError, ValueError) as exc:
+                log.warning("layerwise write of %s layer %d dropped: %s", request_id, layer, exc)
+                progress.failed = True
+                continue
+            progress.sent[layer] = end
+            if len(spec.local_idx):
+                self._post_layer(job, reader, spec, request_id)
+        self.inflight.advance()  # over TCP the data moves when someone progresses the agent
+
+    def _post_layer(self, job: _Job, reader: RemoteEngine, spec: Any, request_id: str) -> None:
+        progress = job.layers
+        assert progress is not None
+        h = reader.handles[int(job.request.info["d_rank"])]
+        try:
+            t = self.agent.post("WRITE", h.local_handle, spec.remote_idx, h.remote_handle, spec.local_idx,
+                                tag=("layer", request_id))
+        except TransferFailed as exc:
+            self.worker.stats.count("failed_transfers_total")
+            log.warning("layerwise WRITE for %s failed: %s", request_id, exc.reason)
+            progress.failed = True
+            return
+        progress.inflight += 1
+        progress.writes += 1
+        progress.bytes += spec.nbytes
+        self.layer_writes[id(t)] = job
+        self.inflight.add(t)
 
     def poll(self, now: float) -> None:
         w = self.worker
@@ -149,7 +253,8 @@ class PushWriter:
         keep = []
         wall_ms = time.time() * 1000
         for job in self.jobs:
-            if now - job.received > w.config.stall_timeout_s:
+            # A layerwise request waits for P's queue and prefill: D's deadline bounds it.
+            if now - job.received > w.config.stall_timeout_s and not job.layerwise:
                 log.warning("push request for %s dropped: too old", job.request.request_id)
                 continue
             d_deadline = job.request.info.get("d_deadline_ms")
@@ -159,6 +264,7 @@ class PushWriter:
                 w.stats.count("late_push_requests_total")
                 log.warning("push request for %s dropped: D's deadline passed %.1f s ago",
                             job.request.request_id, (wall_ms - d_deadline) / 1000)
+                self._unstream(job)
                 continue
             if not self._try_write(job):
                 keep.append(job)
@@ -170,21 +276,46 @@ class PushWriter:
             d_engine, d_rank = str(info["d_engine_id"]), int(info["d_rank"])
             host, port = str(info["d_host"]), int(info["d_port"])
             blocks = self.held_blocks.get(rid)
-            if blocks is None:
+            stream = self.streams.get(rid)
+            if job.layerwise and stream is not None and (
+                    info.get("prompt_hash") != stream.prompt_hash or int(info["num_tokens"]) != stream.num_tokens):
+                self.worker.stats.count("refused_push_requests_total")
+                log.warning("layerwise push request for %s refused: D's prompt is not the one P "
+                            "prefills (prompt hash or length differ)", rid)
+                self._unstream(job)
+                return True
+            if blocks is None and not job.layerwise:
                 return False
+            # Layerwise, D may ask before P has the request: connect now, the prefill comes later.
             reader = self.readers.get((d_engine, d_rank))
             if reader is None:
                 key = (d_engine, host, port, d_rank)
                 if not self.handshakes.pending(key):
                     self.handshakes.request(key, host, port, d_engine, [d_rank])
                 return False
+            if job.layerwise and stream is None:  # not here yet, or not a layerwise request here
+                return False
             assert reader.plan is not None
-            (spec,) = reader.plan.request_ids(info["local_block_ids"], blocks, int(info["num_tokens"]),
-                                              int(info["local_computed_tokens"]))
-            expected, done = int(info["expected"]), encode(Pushed(str(info["d_request_id"])), self.worker.secret)
+            if job.layerwise and job.layers is None:  # from now on each finished layer goes out
+                job.layers = LayerProgress.start(self.geometry.model.num_layers)
+                self.streaming.setdefault(rid, []).append(job)
+            if blocks is None:
+                return False
+            if job.layers is not None and job.layers.inflight:
+                return False  # `pushed` must mean all of it landed: the layer WRITEs first
+            if job.layers is not None and job.layers.failed:
+                log.warning("layerwise push of %s dropped after a failed layer WRITE", rid)
+                self._unstream(job)
+                return True
+            spec = self._final_spec(job, reader, blocks)
+            named = tuple(tuple(int(b) for b in g) for g in blocks) if job.layerwise else None
+            expected = int(info["expected"])
+            done = encode(Pushed(str(info["d_request_id"]), named), self.worker.secret)
         except (KeyError, TypeError, ValueError) as exc:
             log.warning("bad push request for %s dropped: %s", rid, exc)
+            self._unstream(job)
             return True
+        self._unstream(job)
         h = reader.handles[d_rank]
         if not len(spec.local_idx):
             self.worker.send(h.agent_name, done)
@@ -203,7 +334,32 @@ class PushWriter:
         self.inflight.add(t)
         return True
 
+    def _final_spec(self, job: _Job, reader: RemoteEngine, blocks: list[list[int]]) -> Any:
+        """The whole request, or (layerwise) what the layer WRITEs left: one spec."""
+        info = job.request.info
+        assert reader.plan is not None
+        args = (info["local_block_ids"], blocks, int(info["num_tokens"]), int(info["local_computed_tokens"]))
+        if job.layers is None:
+            (spec,) = reader.plan.request_ids(*args)
+            return spec
+        parts = [reader.plan.request_ids(*args, tokens=(start, int(info["num_tokens"])), layers=layers)[0]
+                 for start, layers in job.layers.remainder()]
+        return ReadSpec(parts[0].src_rank, np.concatenate([p.local_idx for p in parts]),
+                        np.concatenate([p.remote_idx for p in parts]), sum(p.nbytes for p in parts),
+                        parts[0].local_blocks)
+
+    def _unstream(self, job: _Job) -> None:
+        jobs = self.streaming.get(job.request.request_id)
+        if jobs is not None and job in jobs:
+            jobs.remove(job)
+
     def on_transfer_done(self, t: Transfer, now: float) -> None:
+        layered = self.layer_writes.pop(id(t), None)
+        if layered is not None:
+            assert layered.layers is not None
+            layered.layers.inflight -= 1
+            self.worker.stats.record(transfer_record(layered.request.request_id, t))
+            return
         entry = self.writes.pop(id(t), None)
         if entry is not None:
             self.worker.stats.record(transfer_record(entry[0], t))
@@ -211,6 +367,16 @@ class PushWriter:
                 self.worker.leases.notify(entry[0], entry[1], now)
 
     def on_transfer_failed(self, t: Transfer) -> None:
+        layered = self.layer_writes.pop(id(t), None)
+        if layered is not None:  # D gets no `pushed`: it fails or recomputes at its deadline
+            assert layered.layers is not None
+            layered.layers.inflight -= 1
+            layered.layers.failed = True
+            self.worker.stats.count("failed_transfers_total")
+            log.warning("layerwise WRITE for %s failed: %s", layered.request.request_id, t.failure)
+            info = layered.request.info
+            self._drop_reader(str(info["d_engine_id"]), int(info["d_rank"]))
+            return
         entry = self.writes.pop(id(t), None)
         if entry is not None:
             rid, _, job = entry
@@ -245,6 +411,16 @@ class PushWriter:
 def _for_reader(job: _Job, d_engine: str, d_rank: int) -> bool:
     info = job.request.info
     return bool(info.get("d_engine_id") == d_engine and info.get("d_rank") == d_rank)
+
+
+def _p_ids_for_figures(engine: RemoteEngine, entry: dict[str, Any]) -> list[list[int]]:
+    """P's block ids, or (layerwise: P has not allocated them yet) placeholders of the same
+    length: the request's figures and the check of D's ids depend only on how many."""
+    if entry.get("transfer_mode") != "layerwise" or any(entry.get("remote_block_ids") or []):
+        return list(entry["remote_block_ids"])
+    assert engine.plan is not None
+    size, tokens = engine.plan.remote_block_size, int(entry["num_tokens"])
+    return [[0] if is_ssm(g) else [0] * (-(-tokens // size)) for g in engine.plan.local.model.groups]
 
 
 def _blocks(entry: dict[str, Any]) -> set[int]:

@@ -19,6 +19,7 @@ from kvlink.connector.params import (
     RemotePrefillParams,
     StaleTransferParams,
     check_integrity,
+    is_layerwise,
     parse_remote_prefill,
     prompt_hash,
     requested_mode,
@@ -62,6 +63,7 @@ class NixlScheduler(ConnectorScheduler):
         self._wall_clock = wall_clock
         self._remote: dict[str, _RemoteRequest] = {}
         self._held: set[str] = set()
+        self._streams: set[str] = set()  # P: layerwise requests still prefilling
         self._step = StepMetadata()
         self._last_heartbeat = float("-inf")
         self._secret = require_secret(config.secret, config.insecure_unsigned_params, config.engine_id)
@@ -70,10 +72,17 @@ class NixlScheduler(ConnectorScheduler):
     def on_new_request(self, request: RequestView) -> None:
         # Both flags are checked now: request_finished() runs inside the engine step, where a
         # bad `do_remote_decode` would raise and stop the engine thread.
-        wants_remote_decode(request.kv_transfer_params)
+        if wants_remote_decode(request.kv_transfer_params) and self._mode(request) == "layerwise":
+            self._streams.add(request.request_id)
+            self._step.streams.append({
+                "request_id": request.request_id, "prompt_hash": prompt_hash(request.prompt_token_ids),
+                "num_tokens": max(0, len(request.prompt_token_ids) - 1)})
         if wants_remote_prefill(request.kv_transfer_params):
             assert request.kv_transfer_params is not None
             params = parse_remote_prefill(request.kv_transfer_params)
+            if is_layerwise(params):  # P has not seen the request yet: nothing it signed to check
+                self._remote[request.request_id] = _RemoteRequest(params)
+                return
             try:
                 check_integrity(params, request.prompt_token_ids, self._secret, self._wall_clock())
             except StaleTransferParams as stale:
@@ -104,7 +113,8 @@ class NixlScheduler(ConnectorScheduler):
             return 0, False
         shipped = len(request.prompt_token_ids) - 1
         missing = shipped - num_computed_tokens
-        if missing <= 0 and not (self.state_always_moves and shipped > 0):
+        # Layerwise: P frees on our push request's answer, so even a full hit asks for it.
+        if missing <= 0 and not (self.state_always_moves and shipped > 0) and not is_layerwise(remote.params):
             # D already holds every token P could send: only tell P to free.
             self._step.notify_only.append(self._entry(request.request_id, remote.params))
             del self._remote[request.request_id]
@@ -127,6 +137,8 @@ class NixlScheduler(ConnectorScheduler):
         )
         if self.config.verify_kv != "off":  # the tokens seed the digests D checks
             entry["token_ids"] = list(request.prompt_token_ids[:-1])
+        if is_layerwise(remote.params):  # P writes only for the prompt it prefills
+            entry["prompt_hash"] = prompt_hash(request.prompt_token_ids)
         self._step.loads.append(entry)
 
     def _entry(self, request_id: str, p: RemotePrefillParams) -> dict[str, Any]:
@@ -175,8 +187,12 @@ class NixlScheduler(ConnectorScheduler):
     def request_finished(
         self, request: RequestView, block_ids: Sequence[Sequence[int]], aborted: bool,
     ) -> tuple[bool, dict[str, Any] | None]:
+        if request.request_id in self._streams:
+            self._streams.discard(request.request_id)
+            if aborted or not any(block_ids):  # no lease will end it: the worker drops the stream now
+                self._step.frees.append(request.request_id)
         remote = self._remote.pop(request.request_id, None)
-        if remote is not None and not remote.loaded:
+        if remote is not None and not remote.loaded and not is_layerwise(remote.params):
             # Aborted before D allocated: P must not wait for the lease to run out.
             self._step.notify_only.append(self._entry(request.request_id, remote.params))
         if not wants_remote_decode(request.kv_transfer_params):
@@ -199,8 +215,9 @@ class NixlScheduler(ConnectorScheduler):
             "remote_port": self.config.side_channel_port,
             "tp_size": self.tp_size,
             "remote_num_tokens": max(0, len(request.prompt_token_ids) - 1),
-            # A router may pick the mode per request; the engine's setting is the default.
-            "transfer_mode": requested_mode(request.kv_transfer_params) or self.config.transfer_mode,
+            # A router may pick the mode per request; the engine's setting is the default. A
+            # layerwise request that reaches D the classic way (P's params) is a push.
+            "transfer_mode": "push" if self._mode(request) == "layerwise" else self._mode(request),
             "prompt_hash": prompt_hash(request.prompt_token_ids),
             # P's lease starts with the worker's next step, so it ends a little after this.
             "kv_expires_at_ms": int((self._wall_clock() + self.config.lease_s) * 1000),
@@ -210,6 +227,9 @@ class NixlScheduler(ConnectorScheduler):
         if self._secret is not None:
             params["kv_signature"] = sign(params, self._secret)
         return True, params
+
+    def _mode(self, request: RequestView) -> str:
+        return requested_mode(request.kv_transfer_params) or self.config.transfer_mode
 
     def has_pending_work(self) -> bool:
         s = self._step

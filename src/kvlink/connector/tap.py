@@ -26,6 +26,9 @@ class StatsTap(ConnectorWorker):
     def start_load_kv(self, metadata: StepMetadata) -> None:
         self.inner.start_load_kv(metadata)
 
+    def layer_sink(self) -> Callable[..., None] | None:
+        return self.inner.layer_sink()
+
     def get_finished(self) -> WorkerOutput:
         out = self.inner.get_finished()
         now = self._clock()

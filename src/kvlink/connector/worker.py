@@ -149,12 +149,28 @@ class NixlWorker(ConnectorWorker):
             if self.sealer is not None and self.sealer.seal(save):  # test fault: free at once
                 self.leases.release(save["request_id"])
                 self.out.finished_sending.add(save["request_id"])
+        for stream in metadata.streams:
+            assert self.push is not None
+            self.push.open_stream(stream)
         for rid in metadata.frees:
             self.leases.release(rid)
+            if self.push is not None:
+                self.push.end_stream(rid)
         self._waiting += [("load", local_tail(e, self.model, self.block_size)) for e in metadata.loads]
         self._waiting += [("notify", e) for e in metadata.notify_only]
         self._waiting += [("heartbeat", e) for e in metadata.heartbeats if self.directory.known(e)]
         self._advance()
+        if metadata.streams or (self.push is not None and self.push.streams):
+            # Layerwise: a push request that came in since the last poll must be attached
+            # before this step's forward, or that forward's layers leave only at its end.
+            self._take_push_requests()
+
+    def _take_push_requests(self) -> None:
+        if self.agent is None or self.push is None:
+            return
+        now = self.clock()
+        drain_notifications(self.agent, self.secret, self.stats, self.leases, self.push, now)
+        self.push.poll(now)
 
     def seal_now(self, seals: Sequence[dict[str, Any]]) -> None:
         """P: seal requests whose prefill the forward that just ran completed (vLLM calls
@@ -186,10 +202,17 @@ class NixlWorker(ConnectorWorker):
         if engine is None:
             return False
         engine.last_used = self.clock()
-        if kind == "load" and entry.get("transfer_mode") == "push" and engine.staged is None:
+        if kind == "load" and entry.get("transfer_mode") in ("push", "layerwise") and engine.staged is None:
             assert self.push is not None
             if self.pull.same_incarnation(engine, entry):
                 self.push.request_push(engine, entry)
+        elif kind == "load" and entry.get("transfer_mode") == "layerwise":
+            assert engine.staged is not None
+            self.stats.count("refused_layerwise_total")
+            self.fail_request(entry["request_id"], all_blocks(entry), (
+                "layerwise mode writes P's pages straight into ours, but this page order between "
+                f"kernel blocks of {engine.staged.stage_tokens} (P) and "
+                f"{self.kernel_block_size} (D) tokens needs staged reads; send it as pull or push"))
         elif kind == "load":
             if entry.get("transfer_mode") == "push":
                 # P's WRITE cannot re-layout pages between kernel block sizes: D reads
@@ -375,6 +398,9 @@ class NixlWorker(ConnectorWorker):
 
     def has_inflight(self) -> bool:
         return bool(self.book.loads or self._waiting or self.leases.leases)
+
+    def layer_sink(self) -> Callable[..., None] | None:
+        return self.push.save_kv_layer if self.push is not None else None
 
     def get_stats(self) -> dict[str, Any]:
         # What P holds for decoders right now (vLLM's own scheduler metrics do not show it).

@@ -34,6 +34,7 @@ class WorkerParts(Protocol):
     clock: Callable[[], float]
     out: WorkerOutput
     notifier: Notifier | None
+    engines: dict[str, RemoteEngine]
 
     def fail_request(self, rid: str, blocks: set[int], reason: str, bad_params: bool = False,
                      forbidden: bool = False, stalled: bool = False) -> None:

@@ -54,10 +54,13 @@ class LLMEngine:
         self.kv_caches = allocate_kv_caches(model.spec, model.tp_size, block_size, kernel_block_size, num_blocks)
         if connector_worker is not None:
             connector_worker.register_kv_caches(*register_with(self.kv_caches))
+
         self.scheduler = Scheduler(
             self.pools, ssm_groups, connector_scheduler, max_num_seqs, max_num_batched_tokens
         )
         self.runner = ModelRunner(model, self.kv_caches, block_size)
+        if connector_worker is not None:  # P streams layers as the forward makes them (layerwise)
+            self.runner.layer_sink = connector_worker.layer_sink()
         self.requests: dict[str, Request] = {}
         # Blocks of finished requests kept for the connector (P lease, or an aborted load in flight).
         self.held: dict[str, list[list[int]]] = {}

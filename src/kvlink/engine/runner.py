@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlink.engine.model.base import PagedModel
+from kvlink.engine.model.base import LayerSink, LayerStream, PagedModel
 from kvlink.engine.sampler import sample
 from kvlink.engine.scheduler import ScheduledRun
 
@@ -14,6 +14,7 @@ class ModelRunner:
 
     def __init__(self, model: PagedModel, caches: list[torch.Tensor], block_size: int) -> None:
         self.model, self.caches, self.block_size = model, caches, block_size
+        self.layer_sink: LayerSink | None = None  # the connector's, when it streams layers
 
     def run(self, runs: list[ScheduledRun]) -> dict[str, int]:
         """Next token per request id; prefill-only requests (P side) and empty runs sample nothing."""
@@ -27,9 +28,13 @@ class ModelRunner:
             tables = [torch.tensor(t, dtype=torch.int64) for t in request.block_tables]
             # Only the last row is sampled: the full [T, vocab] logits of a long prompt would be a
             # large temporary per prefill, which fragmented P's malloc heap (RSS grew in steps).
+            # P reports each finished layer of a prefill (a layerwise stream sends it on).
+            stream = None
+            if request.prefill_only and self.layer_sink is not None:
+                stream = LayerStream(request.request_id, end, self.layer_sink)
             logits = self.model.forward(
                 input_ids, run.start_pos, tables, self.caches, block_size=self.block_size,
-                last_token_only=True,
+                last_token_only=True, stream=stream,
             )
             if not request.prefill_only:
                 sampled[request.request_id] = sample(logits[-1], request.params, request.generator)

@@ -10,9 +10,10 @@ rank has reported it (failed if any rank failed).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from kvlink.connector.api import ConnectorWorker, LoadFailure, StepMetadata, WorkerOutput
-from kvlink.engine.model.base import PagedModel
+from kvlink.engine.model.base import LayerStream, PagedModel
 
 # Two groups besides the default one (used to meet). Commands: followers wait for rank
 # 0's next command there while the server idles, so their side waits up to a day (they
@@ -73,10 +74,12 @@ class TPModel:
         self.tp_rank, self.tp_size = local.tp_rank, local.tp_size
 
     def forward(self, input_ids: torch.Tensor, start_pos: int, block_tables: list[torch.Tensor],
-                caches: list[torch.Tensor], *, block_size: int, last_token_only: bool = False) -> torch.Tensor:
-        _broadcast(("forward", input_ids, start_pos, block_tables, block_size, last_token_only))
+                caches: list[torch.Tensor], *, block_size: int, last_token_only: bool = False,
+                stream: LayerStream | None = None) -> torch.Tensor:
+        sent = dataclasses.replace(stream, sink=None) if stream is not None else None  # followers: their own
+        _broadcast(("forward", input_ids, start_pos, block_tables, block_size, last_token_only, sent))
         return self.local.forward(input_ids, start_pos, block_tables, caches, block_size=block_size,
-                                  last_token_only=last_token_only)
+                                  last_token_only=last_token_only, stream=stream)
 
 
 @dataclass
@@ -173,6 +176,9 @@ class TPConnectorWorker(ConnectorWorker):
             self._merge.add(rank, out)
         return self._merge.take()
 
+    def layer_sink(self) -> Callable[..., None] | None:
+        return self.local.layer_sink()  # rank 0's own layers; each follower streams its own
+
     def get_stats(self) -> dict[str, Any]:
         _broadcast(("get_stats",))
         return merge_stats(_gather(self.local.get_stats()) or [])
@@ -193,13 +199,16 @@ def stop_followers() -> None:
 
 def follow(model: PagedModel, caches: list[torch.Tensor], worker: ConnectorWorker | None) -> None:
     """A follower rank's loop: replay rank 0's calls until it says shutdown."""
+    sink = worker.layer_sink() if worker is not None else None  # this rank's own layerwise writes
     while True:
         command = _broadcast(None)
         name = command[0]
         if name == "forward":
-            _, input_ids, start_pos, tables, block_size, last_token_only = command
+            _, input_ids, start_pos, tables, block_size, last_token_only, stream = command
+            if stream is not None:
+                stream = dataclasses.replace(stream, sink=sink)
             model.forward(input_ids, start_pos, tables, caches, block_size=block_size,
-                          last_token_only=last_token_only)
+                          last_token_only=last_token_only, stream=stream)
         elif name == "start_load_kv":
             if worker is not None:
                 worker.start_load_kv(command[1])

@@ -129,9 +129,10 @@ def request_ids(
 
     A layerwise write moves a part of that, and the parts of one request are disjoint:
     `tokens=(start, end)` keeps the attention chunks whose first token lies in
-    `[start, end)` (both multiples of `plan.chunk_tokens`, or `end = num_tokens_to_ship`),
-    and leaves the SSM state out unless `end` is `num_tokens_to_ship` (the state is final
-    only then); `layers` keeps only the regions of those model layers.
+    `[start, end)` (each a multiple of `plan.chunk_tokens` or `num_tokens_to_ship`),
+    and leaves the SSM state out unless the range is non-empty and ends at
+    `num_tokens_to_ship` (the state is final only then, and goes once); `layers` keeps only
+    the regions of those model layers.
     """
     model = plan.local.model
     num_groups = len(model.groups)
@@ -170,10 +171,10 @@ def _token_window(plan: PreparedPlan, num_tokens: int, tokens: tuple[int, int] |
     c = plan.chunk_tokens
     if not 0 <= start <= end <= num_tokens:
         raise ValueError(f"token range [{start}, {end}) must lie in [0, {num_tokens}]")
-    if start % c or (end % c and end != num_tokens):
+    if (start % c and start != num_tokens) or (end % c and end != num_tokens):
         raise ValueError(f"token range [{start}, {end}) must start and end on chunks of {c} tokens "
                          f"(or end at {num_tokens})")
-    return start, end, end == num_tokens
+    return start, end, start < end == num_tokens  # the state goes once: with the part that ends the prompt
 
 
 def _state_blocks(plan: PreparedPlan, g: int, local_ids: IntArray, remote_ids: IntArray) -> tuple[int, int]:

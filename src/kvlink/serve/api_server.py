@@ -82,7 +82,7 @@ def check_model(requested: str | None, served: str) -> None:
 def build_app(
     engine: AsyncEngine, tokenizer: Any, model_name: str, role: str, metrics: MetricsRegistry,
     *, max_model_len: int, sampling_factory: SamplingFactory | None = None,
-    warnings: Sequence[str] = (),
+    warnings: Sequence[str] = (), kv_endpoint: dict[str, Any] | None = None,
 ) -> FastAPI:
     """`/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`, `/metrics`,
     `/debug/state`, `/debug/memory` (and `POST /debug/memory/trim`).
@@ -171,6 +171,14 @@ def build_app(
         card = {"id": model_name, "object": "model", "owned_by": "kvlink",
                 "max_model_len": max_model_len, "role": role}
         return {"object": "list", "data": [card]}
+
+    @app.get("/v1/kv_endpoint")
+    async def endpoint() -> Response:
+        """P: the side channel a D asks for a layerwise push (kv_transfer_params fields)."""
+        if kv_endpoint is None:
+            return APIError(404, f"this {role} instance takes no layerwise push requests",
+                            "not_a_prefill_instance").response()
+        return JSONResponse(kv_endpoint)
 
     @app.get("/health")
     async def health() -> Response:

@@ -37,6 +37,8 @@ class ServedEngine:
     close: Callable[[], None] | None = None  # releases connector resources (agent, sockets)
     debug_state: Callable[[], dict[str, Any]] | None = None  # connector state (leases, loads)
     warnings: tuple[str, ...] = ()  # what is unsafe about this configuration (logged, on /health)
+    # P: where a D asks for a layerwise push (the proxy gives it to D before P has the request)
+    kv_endpoint: dict[str, Any] | None = None
 
 
 def _connector_config(args: argparse.Namespace) -> Any:
@@ -150,5 +152,9 @@ def build_engine(args: argparse.Namespace, progress: Progress = print) -> Served
                  f"verify_kv {config.verify_kv}")
     progress(f"model {args.model} ready in {time.monotonic() - started:.1f}s "
              f"(tp={tp}, max_model_len={max_model_len})")
+    endpoint = None
+    if scheduler is not None and args.role == "prefill":
+        endpoint = {"remote_engine_id": scheduler.config.engine_id, "remote_host": scheduler.config.side_channel_host,
+                    "remote_port": scheduler.config.side_channel_port, "tp_size": tp}
     return ServedEngine(engine, tokenizer, args.model, max_model_len,
-                        metrics if config is not None else None, close, debug_state, warnings)
+                        metrics if config is not None else None, close, debug_state, warnings, endpoint)

@@ -55,10 +55,26 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
 
 
 
+def layerwise_prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    request = prefill_body(body)
+    request["kv_transfer_params"] = {"do_remote_decode": True, "transfer_mode": "layerwise"}
+    return request
+
+
+def wants_layerwise(body: dict[str, Any], mode: str) -> bool:
+    params = body.get("kv_transfer_params")
+    asked = params.get("transfer_mode") if isinstance(params, dict) else None
+    return asked == "layerwise" or (mode == "layerwise" and asked is None)
+
+
 def build_proxy_app(
     prefill_urls: list[str], decode_urls: list[str], *, timeout_s: float = 120.0,
-    connect_timeout_s: float = 5.0,
+    connect_timeout_s: float = 5.0, mode: str = "classic",
 ) -> FastAPI:
+    """`mode` "classic": P, then D with P's params; "layerwise": both at once (see
+    `route_layerwise`). A request's `kv_transfer_params.transfer_mode` picks per request."""
+    if mode not in ("classic", "layerwise"):
+        raise ValueError(f"proxy mode must be 'classic' or 'layerwise', got {mode!r}")
     prefill = InstancePool.of("prefill", prefill_urls)
     decode = InstancePool.of("decode", decode_urls)
     metrics = MetricsRegistry("kvlink_proxy")
@@ -159,6 +175,75 @@ def build_proxy_app(
         return StreamingResponse(passthrough(), media_type="text/event-stream",
                                  headers={PREFILL_HEADER: f"{prefill_s:.6f}"})
 
+    endpoints: dict[str, dict[str, Any]] = {}
+
+    async def kv_endpoint(instance: Instance) -> dict[str, Any]:
+        """P's side channel, asked once per P instance (it is fixed for the life of P)."""
+        known = endpoints.get(instance.url)
+        if known is not None:
+            return known
+        try:
+            response = await asyncio.wait_for(client.get(instance.url + "/v1/kv_endpoint"), timeout_s)
+        except Exception as error:
+            raise transport_error("prefill", instance.url, error, timeout_s) from error
+        if response.status_code != 200:
+            raise APIError(502, f"prefill instance {instance.url} gives no KV endpoint for layerwise "
+                                f"requests (HTTP {response.status_code}); is it a kvlink prefill instance?",
+                           "prefill_failed")
+        endpoints[instance.url] = dict(response.json())
+        return endpoints[instance.url]
+
+    async def route_layerwise(raw: Request, path: str, body: dict[str, Any], headers: dict[str, str],
+                              started: float) -> Response:
+        """P and D at once: D allocates and asks P (by request id, for this prompt) to write
+        each layer into its blocks as P computes it. A P failure before D answers cancels D."""
+        request_id = headers["X-Request-Id"]
+        p_instance = prefill.take()
+        try:
+            endpoint = await kv_endpoint(p_instance)
+        except APIError:
+            prefill.release(p_instance)
+            raise
+        p_call = asyncio.ensure_future(post_json("prefill", p_instance, path, layerwise_prefill_body(body), headers))
+        p_call.add_done_callback(lambda _: prefill.release(p_instance))
+
+        def p_done(task: asyncio.Future[Any]) -> None:
+            failure = None if task.cancelled() else task.exception()
+            if failure is not None:
+                logger.warning("request %s: layerwise prefill failed: %s", request_id, failure)
+            else:
+                metrics.observe("prefill_seconds", time.monotonic() - started)
+
+        p_call.add_done_callback(p_done)
+        d_params = {"do_remote_prefill": True, "transfer_mode": "layerwise", "remote_request_id": request_id,
+                    "remote_block_ids": [], **endpoint}
+        decode_request = dict(body, kv_transfer_params=d_params)
+
+        async def decode_leg() -> Response:
+            if body.get("stream"):
+                return await stream_decode(path, decode_request, headers, started, 0.0)
+            sent = time.monotonic()
+            with decode.acquire() as instance:
+                answer = await post_json("decode", instance, path, decode_request, headers)
+            metrics.observe("decode_seconds", time.monotonic() - sent)
+            return JSONResponse(answer)
+
+        d_call = asyncio.ensure_future(decode_leg())
+        try:
+            await asyncio.wait({p_call, d_call}, return_when=asyncio.FIRST_COMPLETED)
+            if p_call.done() and not p_call.cancelled() and p_call.exception() is not None and not d_call.done():
+                d_call.cancel()  # D would only wait for KV that will not come
+                raise p_call.exception()  # type: ignore[misc]
+            response = await d_call
+        except BaseException:
+            d_call.cancel()
+            p_call.cancel()
+            raise
+        if not body.get("stream"):
+            metrics.inc("requests_total", outcome="ok")
+            log_request(request_id, None, None, started, "ok (layerwise)")
+        return response
+
     async def route(raw: Request, path: str) -> Response:
         started = time.monotonic()
         try:
@@ -173,6 +258,13 @@ def build_proxy_app(
             headers["Authorization"] = raw.headers["authorization"]
         prefill_s: float | None = None
         decode_url: str | None = None
+        if wants_layerwise(body, mode):
+            try:
+                return await unless_disconnected(raw, route_layerwise(raw, path, body, headers, started))
+            except APIError as error:
+                metrics.inc("requests_total", outcome=error.code or "error")
+                log_request(request_id, None, None, started, f"{error.code or 'error'} ({error.message})")
+                raise
         try:
             # A client that leaves while P prefills must not get its KV moved to D for nobody:
             # cancelling the upstream call closes that connection, and the instance aborts.

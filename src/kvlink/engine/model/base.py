@@ -2,12 +2,36 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from kvlink.engine.model.config import LlamaConfig
 from kvlink.layout.spec import FullAttention, ModelSpec
+
+# (request id, layer, tokens of the request computed once this forward ends, block tables):
+# called after each layer of a forward that carries a `LayerStream` (P in layerwise mode).
+LayerSink = Callable[[str, int, int, list[torch.Tensor]], None]
+
+
+@dataclass(frozen=True)
+class LayerStream:
+    """Tells a forward to report each finished layer to `sink`: the KV of positions `< end`
+    of request `request_id` is in the caches for that layer once the call returns. (A TP
+    engine sends it to the other ranks without the sink; each adds its own.)"""
+
+    request_id: str
+    end: int
+    sink: LayerSink | None = None
+
+
+def layer_callback(stream: LayerStream | None, block_tables: list[torch.Tensor]) -> Callable[[int], None] | None:
+    if stream is None or stream.sink is None:
+        return None
+    sink, request_id, end = stream.sink, stream.request_id, stream.end
+    return lambda layer: sink(request_id, layer, end, block_tables)
 
 
 class PagedModel(Protocol):
@@ -39,10 +63,12 @@ class PagedModel(Protocol):
         *,
         block_size: int,
         last_token_only: bool = False,
+        stream: LayerStream | None = None,
     ) -> torch.Tensor:
         """Logits `[T, vocab]` (float32) of `input_ids[T]` at positions from `start_pos`;
         `[1, vocab]` of the last token with `last_token_only` (all a sampler needs: the
-        full matrix of a long prompt is tens of MiB of temporary memory per prefill)."""
+        full matrix of a long prompt is tens of MiB of temporary memory per prefill).
+        With `stream`, its sink hears of every layer as soon as its KV is written."""
         ...
 
 
@@ -85,6 +111,7 @@ class LlamaForwardSequence(Protocol):
     def forward_sequence(
         self, input_ids: torch.Tensor, start_pos: int, kernel_block_table: torch.Tensor,
         kv_caches: list[torch.Tensor], *, last_token_only: bool = False,
+        on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -95,7 +122,7 @@ class LlamaPagedModel:
         self.model = model
         self.spec = llama_spec(model.config, dtype)
         self.vocab_size = model.config.vocab_size
-        self.eos_token_ids = (model.config.eos_token_id,)
+        self.eos_token_ids: tuple[int, ...] = (model.config.eos_token_id,)
         self.tp_rank = model.tp_rank
         self.tp_size = model.tp_size
 
@@ -108,6 +135,8 @@ class LlamaPagedModel:
         *,
         block_size: int,
         last_token_only: bool = False,
+        stream: LayerStream | None = None,
     ) -> torch.Tensor:
         table = kernel_block_table(block_tables[0], physical_per_logical(caches, block_size))
-        return self.model.forward_sequence(input_ids, start_pos, table, caches, last_token_only=last_token_only)
+        return self.model.forward_sequence(input_ids, start_pos, table, caches, last_token_only=last_token_only,
+                                           on_layer=layer_callback(stream, block_tables))

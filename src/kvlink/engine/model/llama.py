@@ -167,6 +167,7 @@ class LlamaModel(torch.nn.Module):
         kv_caches: list[torch.Tensor],
         *,
         last_token_only: bool = False,
+        on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Run `input_ids[T]` at positions `[start_pos, start_pos + T)` of one sequence.
 
@@ -182,6 +183,7 @@ class LlamaModel(torch.nn.Module):
             [kernel_block_table],
             kv_caches,
             last_token_only=last_token_only,
+            on_layer=on_layer,
         )
 
     @torch.inference_mode()
@@ -193,6 +195,7 @@ class LlamaModel(torch.nn.Module):
         kv_caches: list[torch.Tensor],
         *,
         last_token_only: bool = False,
+        on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """`forward_sequence` for several sequences in one pass (continuous batching).
 
@@ -213,8 +216,11 @@ class LlamaModel(torch.nn.Module):
             self._check_request(count, start, table, kv_caches[0])
         batch = PagedBatch.build(num_new, start_positions, kernel_block_tables, kernel_block_size)
         x = self.embedding[torch.cat(list(input_ids))]
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for index, kv_cache in enumerate(kv_caches):
+            layer = self.layers[index]
             x = x + self._reduce(layer.attention(x, batch, self.rope, kv_cache))
+            if on_layer is not None:  # this layer's K/V are in the pages: they may leave now
+                on_layer(index)
             x = x + self._reduce(layer.mlp(x))
         if last_token_only:
             x = x[batch.last_rows]

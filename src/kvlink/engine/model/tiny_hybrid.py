@@ -15,7 +15,12 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kvlink.engine.model.base import kernel_block_table, physical_per_logical
+from kvlink.engine.model.base import (
+    LayerStream,
+    kernel_block_table,
+    layer_callback,
+    physical_per_logical,
+)
 from kvlink.engine.paged_attention import paged_attention, rotate
 from kvlink.layout.presets import TINY_HYBRID
 from kvlink.layout.spec import FullAttention, Mamba2, ModelSpec
@@ -222,9 +227,11 @@ class TinyHybridModel:
         *,
         block_size: int,
         last_token_only: bool = False,
+        stream: LayerStream | None = None,
     ) -> torch.Tensor:
         """Logits `[T, vocab]` (`[1, vocab]` with `last_token_only`); SSM state is read from
         (zeros at start_pos 0) and written to its page."""
+        on_layer = layer_callback(stream, block_tables)
         positions = torch.arange(start_pos, start_pos + input_ids.shape[0])
         ppl = physical_per_logical([caches[self._attention_layer]], block_size)
         x = self.embedding[input_ids]
@@ -237,6 +244,8 @@ class TinyHybridModel:
                 out = mixer(h, caches[layer][int(table[-1])], fresh=start_pos == 0)
             if self._all_reduce is not None:
                 self._all_reduce(out)
+            if on_layer is not None:
+                on_layer(layer)
             x = x + out
         if last_token_only:
             x = x[-1:]

@@ -1,0 +1,161 @@
+"""Layerwise mode with the real NIXL connector, a P and a D `LLMEngine` in one process: D gets
+the request first and asks P; P writes each layer into D's blocks as soon as its forward has
+computed it, then the prompt's tail chunk (and the SSM state) with `pushed`. D's pages then
+hold exactly P's bytes, as after a classic pull, and D's greedy answer equals a plain
+engine's. A D that asks after P's prefill gets it all in one WRITE (a push). A D whose prompt
+is not the one P prefills gets nothing written, and fails at its deadline; nothing leaks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from test_kv_bytes_inprocess import (
+    BLOCK,
+    D_KERNEL,
+    NUM_BLOCKS,
+    P_KERNEL,
+    SECRET,
+    run_until,
+    ssm_pages,
+    token_rows,
+)
+
+from kvlink.connector.config import ConnectorConfig
+from kvlink.connector.scheduler import NixlScheduler
+from kvlink.connector.worker import NixlWorker
+from kvlink.engine.engine import LLMEngine
+from kvlink.engine.request import RequestOutput, RequestStatus, SamplingParams
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+
+@pytest.fixture(scope="module", params=["tiny-hybrid", "smollm2-135m"])
+def model(request: pytest.FixtureRequest) -> Any:
+    from kvlink.engine.models import load_model
+
+    loaded, _ = load_model(request.param, progress=lambda line: None)
+    return loaded
+
+
+def engine_for(name: str, model: Any, kernel: int, policy: str = "fail") -> tuple[LLMEngine, NixlWorker]:
+    config = ConnectorConfig(name, side_channel_port=0, stall_timeout_s=3.0, secret=SECRET,
+                             layerwise_wait_s=3.0, load_failure_policy=policy)  # type: ignore[arg-type]
+    scheduler = NixlScheduler(config, tp_size=1, model=model.spec)
+    worker = NixlWorker(config, model.spec, 1, 0, BLOCK, kernel, NUM_BLOCKS)
+    engine = LLMEngine(model, NUM_BLOCKS, BLOCK, kernel, scheduler, worker)
+    scheduler.config = dataclasses.replace(config, side_channel_port=worker.side_channel_port)
+    return engine, worker
+
+
+@pytest.fixture
+def pair(model: Any) -> Iterator[tuple[LLMEngine, LLMEngine, NixlWorker]]:
+    p, p_worker = engine_for("P", model, P_KERNEL)
+    d, d_worker = engine_for("D", model, D_KERNEL)
+    try:
+        yield p, d, p_worker
+    finally:
+        d_worker.shutdown()
+        p_worker.shutdown()
+
+
+def layerwise_params(p: LLMEngine, p_request_id: str) -> dict[str, Any]:
+    """What kvlink's proxy gives D in layerwise mode: P's side channel and P's request id."""
+    scheduler = p.connector
+    assert isinstance(scheduler, NixlScheduler)
+    return {"do_remote_prefill": True, "transfer_mode": "layerwise", "remote_engine_id": "P",
+            "remote_host": "127.0.0.1", "remote_port": scheduler.config.side_channel_port,
+            "tp_size": 1, "remote_request_id": p_request_id, "remote_block_ids": []}
+
+
+P_PARAMS = {"do_remote_decode": True, "transfer_mode": "layerwise"}
+
+
+def p_writes(worker: NixlWorker) -> list[Any]:
+    return list(worker.stats.transfers)
+
+
+@pytest.mark.parametrize("d_first", [True, False], ids=["d-asks-first", "p-finished-first"])
+def test_layerwise_d_pages_equal_p_pages(pair: tuple[LLMEngine, LLMEngine, NixlWorker], model: Any,
+                                         d_first: bool) -> None:
+    p, d, p_worker = pair
+    generator = torch.Generator().manual_seed(5)
+    prompt = torch.randint(100, 40000, (90,), generator=generator).tolist()  # 5 blocks + 10 tokens
+    outputs: dict[str, list[RequestOutput]] = {}
+    d.add_request("warm", [t + 1 for t in prompt[:40]], SamplingParams(max_tokens=1))  # D's ids differ
+    run_until([d], lambda: "warm" not in d.requests, outputs)
+    # A first layerwise request connects P to D (once per D rank, as in a server that runs).
+    d.add_request("d0", prompt[:30], SamplingParams(max_tokens=2), layerwise_params(p, "p0"))
+    p.add_request("p0", prompt[:30], SamplingParams(max_tokens=1), P_PARAMS)
+    run_until([d, p], lambda: not d.has_unfinished() and not p.has_unfinished(), outputs)
+    writes_before = len(p_writes(p_worker))
+    n = len(prompt) - 1
+
+    def loaded() -> bool:
+        request = d.requests.get("d1")
+        return request is not None and request.status is RequestStatus.WAITING and request.num_computed_tokens == n
+
+    if d_first:
+        d.add_request("d1", prompt, SamplingParams(max_tokens=6), layerwise_params(p, "p1"))
+        for _ in range(3):  # D allocates and sends its push request; P has no such request yet
+            d.step()
+        p.add_request("p1", prompt, SamplingParams(max_tokens=1), P_PARAMS)
+    else:
+        p.add_request("p1", prompt, SamplingParams(max_tokens=1), P_PARAMS)
+        p.step()  # the whole prefill, before D asks: it all goes in the last WRITE
+        d.add_request("d1", prompt, SamplingParams(max_tokens=6), layerwise_params(p, "p1"))
+    run_until([d, p], loaded, outputs)
+    p_tables = [list(ids) for ids in p.held["p1"]]
+    d_tables = [list(ids) for ids in d.requests["d1"].block_tables]
+    assert d_tables[0][:len(p_tables[0])] != p_tables[0]
+    want_rows, want_ssm = token_rows(p, p_tables, n), ssm_pages(p, p_tables)
+    got_rows, got_ssm = token_rows(d, d_tables, n), ssm_pages(d, d_tables)
+    assert all(rows.any() for rows in want_rows.values())
+    for layer, rows in want_rows.items():
+        assert torch.equal(got_rows[layer], rows), f"layer {layer}: KV bytes differ"
+    for layer, page in want_ssm.items():
+        assert torch.equal(got_ssm[layer], page), f"layer {layer}: SSM state bytes differ"
+    # D first: one WRITE per layer (its KV, or its SSM state once final) right after that layer
+    # of P's forward, all of the prompt: `pushed` then goes alone. D after: one WRITE of it all.
+    writes = p_writes(p_worker)[writes_before:]
+    assert len(writes) == (model.spec.num_layers if d_first else 1), [w.nbytes for w in writes]
+
+    run_until([d, p], lambda: not d.has_unfinished() and not p.has_unfinished(), outputs)
+    tokens = [t for out in outputs["d1"] for t in out.new_token_ids]
+    moved = outputs["d1"][0].kv_bytes
+    assert moved == sum(w.nbytes for w in writes), "D's figure is what P wrote"
+    plain = LLMEngine(model, NUM_BLOCKS, BLOCK, P_KERNEL)
+    plain.add_request("c1", prompt, SamplingParams(max_tokens=6))
+    reference: dict[str, list[RequestOutput]] = {}
+    run_until([plain], lambda: not plain.has_unfinished(), reference)
+    assert tokens == [t for out in reference["c1"] for t in out.new_token_ids]
+    for engine in (p, d):
+        engine.check_integrity()
+        assert engine.stats()["free_blocks"] == [NUM_BLOCKS] * len(engine.pools)
+        assert engine.stats()["connector"]["leases"] == 0
+
+
+def test_layerwise_for_another_prompt_writes_nothing(pair: tuple[LLMEngine, LLMEngine, NixlWorker]) -> None:
+    """D names P's request but brings another prompt: P refuses to write (the prompt hashes
+    differ), D fails the load at its deadline with policy `fail`, and every block comes back."""
+    p, d, p_worker = pair
+    prompt = list(range(200, 260))
+    outputs: dict[str, list[RequestOutput]] = {}
+    writes_before = len(p_writes(p_worker))
+    d.add_request("d1", [t + 1 for t in prompt], SamplingParams(max_tokens=4), layerwise_params(p, "p1"))
+    p.add_request("p1", prompt, SamplingParams(max_tokens=1), P_PARAMS)
+
+    def failed() -> bool:
+        return any(o.finished for o in outputs.get("d1", []))
+
+    for_failure = [d, p]
+    try:
+        run_until(for_failure, failed, outputs)
+    except AssertionError as error:  # run_until asserts no output carries an error
+        assert "failed" in str(error) or "stalled" in str(error), error
+    assert len(p_writes(p_worker)) == writes_before, "P wrote for a prompt it did not prefill"
+    assert p_worker.stats.counters.get("refused_push_requests_total", 0) >= 1
