@@ -146,6 +146,46 @@ def test_push_mode_through_the_proxy_equals_colocated(smollm: Cluster, smollm_pu
     assert_clean(smollm_push)
 
 
+LAYERWISE = {"kv_transfer_params": {"transfer_mode": "layerwise"}}
+
+
+def test_layerwise_through_the_proxy_equals_colocated(smollm: Cluster) -> None:
+    """A request asking for `layerwise`: the proxy sends it to D and P at once, D asks P, P
+    WRITEs each layer into D's blocks during its forward. Answers are the colocated ones
+    (streamed too), P wrote the bytes D reports and D read none, a D prefix hit means only
+    the missing blocks move, and every pool is whole afterwards."""
+    proxy, decode, prefill = urls(smollm)
+    per_block = bytes_per_block()
+    rng = random.Random(13)  # prompts no other test sent: D's prefix cache holds none of them
+    fresh: list[str | list[int]] = ["Layer by layer, the capital of Italy is",
+                                    [rng.randrange(100, VOCAB) for _ in range(150)]]
+    for prompt in fresh:
+        want, _ = completion_text(colocated_url(smollm), prompt, 10)
+        wrote, read = metric(prefill, "kvlink_bytes_total"), metric(decode, "kvlink_bytes_total")
+        response = complete(proxy, prompt, 10, **LAYERWISE)
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert body["choices"][0]["text"] == want != ""
+        blocks = math.ceil((body["usage"]["prompt_tokens"] - 1) / BLOCK_SIZE)
+        assert body["kvlink"]["kv_bytes"] == blocks * per_block
+        assert metric(prefill, "kvlink_bytes_total") - wrote == blocks * per_block
+        assert metric(decode, "kvlink_bytes_total") == read
+    streamed = complete(proxy, "Streamed layer by layer: name three colors.", 10, stream=True, **LAYERWISE)
+    assert streamed.status_code == 200
+    text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in streamed.text.splitlines()
+                   if line.startswith("data: {"))
+    assert text == completion_text(colocated_url(smollm), "Streamed layer by layer: name three colors.", 10)[0]
+    first = [rng.randrange(100, VOCAB) for _ in range(70)]
+    second = first[: 3 * BLOCK_SIZE] + [rng.randrange(100, VOCAB) for _ in range(30)]
+    assert complete(proxy, first, 2, **LAYERWISE).status_code == 200
+    response = complete(proxy, second, 2, **LAYERWISE)
+    body = response.json()
+    assert body["kvlink"]["kv_bytes"] == (math.ceil((len(second) - 1) / BLOCK_SIZE) - 3) * per_block
+    assert body["choices"][0]["text"] == completion_text(colocated_url(smollm), second, 2)[0]
+    assert metric(prefill, "kvlink_refused_push_requests_total") == 0
+    assert_clean(smollm)
+
+
 def test_openai_client_through_the_proxy(smollm: Cluster) -> None:
     proxy, _, _ = urls(smollm)
     clients = [openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=60, max_retries=0)
