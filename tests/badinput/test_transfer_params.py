@@ -318,3 +318,16 @@ def test_a_field_left_out_is_signed_as_its_default() -> None:
     assert pushed is not None
     with pytest.raises(ForbiddenTransferParams, match="kv_signature does not match"):
         _d(SECRET).on_new_request(_View("d2", PROMPT, {k: v for k, v in pushed.items() if k != "transfer_mode"}))  # type: ignore[arg-type]
+
+
+def test_layerwise_params_name_no_p_blocks() -> None:
+    """D-side layerwise params come from the proxy before P allocated anything."""
+    from kvlink.connector.params import InvalidTransferParams, is_layerwise, parse_remote_prefill
+
+    base = {"do_remote_prefill": True, "transfer_mode": "layerwise", "remote_engine_id": "P",
+            "remote_request_id": "r", "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1}
+    assert is_layerwise(parse_remote_prefill(base))
+    with pytest.raises(InvalidTransferParams, match="name no remote_block_ids"):
+        parse_remote_prefill({**base, "remote_block_ids": [[1, 2]]})
+    with pytest.raises(InvalidTransferParams, match="must be one of pull, push, layerwise"):
+        parse_remote_prefill({**base, "transfer_mode": "stream", "remote_block_ids": [[1]]})

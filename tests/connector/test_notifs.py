@@ -35,6 +35,15 @@ def test_push_messages_round_trip() -> None:
     msg = PushRequest("r:1", {"blocks": [[1, 2]], "host": "127.0.0.1"})
     assert decode(encode(msg)) == msg
     assert decode(encode(Pushed("d:9"))) == Pushed("d:9")
+    named = Pushed("d:9", ((3, 1, 4), (7,)))  # layerwise: P names its blocks
+    assert decode(encode(named, b"s"), b"s") == named
+
+
+@pytest.mark.parametrize("body", [b"[]", b'{"request_id":"r"}', b'{"request_id":"r","remote_block_ids":[[-1]]}',
+                                  b'{"request_id":"r","remote_block_ids":[["1"]]}', b'{"remote_block_ids":[]}'])
+def test_bad_pushed_block_lists_are_refused(body: bytes) -> None:
+    with pytest.raises(BadNotification):
+        decode(b"kvlink1:pushed:1:" + body)
 
 
 @pytest.mark.parametrize(
