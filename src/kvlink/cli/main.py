@@ -25,6 +25,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "serve": ("kvlink.cli.bench_serve", "TTFT, inter-token latency and throughput: 1P1D vs colocated"),
     "transfer": ("kvlink.cli.bench_transfer", "P/D worker processes: connector pull/push vs raw NIXL vs memcpy"),
     "load": ("kvlink.cli.bench_load", "500 requests through a router (or two), 10%% cancelled: no leaks, TTFT, errors"),
+    "layerwise": ("kvlink.cli.bench_layerwise", "TTFT of pull, push and layerwise across two hosts (netns, tc rates)"),
     "vllm": ("kvlink.cli.bench_vllm", "vLLM 1P1D: KvlinkConnector vs NixlConnector (latency, transfer, idle CPU, answers)"),
 }
 

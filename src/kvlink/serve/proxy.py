@@ -49,7 +49,11 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
         request["max_completion_tokens"] = 1
     request["stream"] = False
     request.pop("stream_options", None)
+    asked = body.get("kv_transfer_params")
+    mode = asked.get("transfer_mode") if isinstance(asked, dict) else None
     request["kv_transfer_params"] = {"do_remote_decode": True}
+    if mode in ("pull", "push"):  # the client picks the classic mode per request; else P's default
+        request["kv_transfer_params"]["transfer_mode"] = mode
     return request
 
 

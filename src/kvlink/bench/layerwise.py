@@ -1,0 +1,213 @@
+"""`kvlink bench layerwise`: TTFT of classic pull, classic push and layerwise across two hosts.
+
+P and D run in two network namespaces (`bench.two_hosts`), the KV over UCX TCP on a veth
+pair that `tc` limits to each rate in turn; kvlink's proxy runs in the root namespace.
+Every request has a fresh random prompt (no prefix hit anywhere) and asks for one token,
+so its wall time through the proxy is its time to first token. The classic modes also
+give the split: P's prefill (the proxy's header), the KV transfer (D's figure) and the
+rest (D's first step, HTTP). Modes are interleaved run by run, so drift hits all alike.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvlink.bench.cluster import ClusterSpec, running_cluster
+from kvlink.bench.serve_client import Answer, stream_completion
+from kvlink.bench.two_hosts import TwoHosts, limit_link, netns_unavailable, two_hosts
+
+MODES = ("pull", "push", "layerwise")
+VOCAB_LOW, VOCAB_HIGH = 100, 49000  # SmolLM2 ids that are ordinary tokens
+
+
+@dataclass(frozen=True)
+class LayerwiseConfig:
+    tokens: tuple[int, ...] = (256, 512, 1024, 2048)
+    rates: tuple[str | None, ...] = ("1gbit", "10gbit", None)  # None: no limit
+    runs: int = 5
+    modes: tuple[str, ...] = MODES
+    num_blocks: int = 320
+    log_dir: Path | None = None
+    seed: int = 0
+
+
+@dataclass
+class Sample:
+    rate: str
+    tokens: int
+    mode: str
+    run: int
+    ttft_s: float
+    prefill_s: float | None
+    kv_transfer_s: float | None
+    kv_bytes: int | None
+
+
+@dataclass
+class Result:
+    config: dict[str, Any]
+    machine: str
+    transport: str
+    samples: list[Sample] = field(default_factory=list)
+
+
+def rate_name(rate: str | None) -> str:
+    return rate or "none"
+
+
+def _prompt(rng: random.Random, tokens: int) -> list[int]:
+    return [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(tokens)]
+
+
+def _ask(client: httpx.Client, proxy: str, prompt: list[int], mode: str) -> Answer:
+    started = time.monotonic()
+    answer = stream_completion(client, proxy, prompt, 1, kv_transfer_params={"transfer_mode": mode})
+    answer.ttft_s = time.monotonic() - started  # one token: the whole answer is the first token
+    return answer
+
+
+def spec_for(hosts: TwoHosts, config: LayerwiseConfig) -> ClusterSpec:
+    return ClusterSpec(
+        model="smollm2-135m", num_blocks=config.num_blocks, load_failure_policy="fail",
+        request_timeout_s=300.0, router_timeout_s=300.0, lease_s=120.0,
+        prefill_host=hosts.p_addr, decode_host=hosts.d_http_addr,
+        prefill_netns=hosts.ns_p, decode_netns=hosts.ns_d, env={"UCX_TLS": "tcp"},
+        prefill_env={"UCX_NET_DEVICES": hosts.link_p}, decode_env={"UCX_NET_DEVICES": hosts.link_d})
+
+
+def run_bench(config: LayerwiseConfig, machine: str, progress: Callable[[str], None] = print) -> Result:
+    why = netns_unavailable("lwb")
+    if why is not None:
+        raise RuntimeError(f"kvlink bench layerwise needs two network namespaces, but {why}")
+    result = Result(asdict(config) | {"log_dir": str(config.log_dir or "")}, machine,
+                    "UCX_TLS=tcp on a veth pair between two network namespaces")
+    rng = random.Random(config.seed)
+    with two_hosts("lwb", octet=236) as hosts, running_cluster(
+            spec_for(hosts, config), config.log_dir, progress, timeout_s=300) as cluster, \
+            httpx.Client(timeout=httpx.Timeout(300.0, connect=10.0)) as client:
+        assert cluster.proxy is not None
+        proxy = cluster.proxy.url
+        total = len(config.rates) * len(config.tokens) * config.runs * len(config.modes)
+        done = 0
+        for rate in config.rates:
+            limit_link(hosts, rate)
+            for mode in config.modes:  # warm: handshakes, first-use allocations
+                _ask(client, proxy, _prompt(rng, 64), mode)
+            for tokens in config.tokens:
+                for run in range(config.runs):
+                    for mode in config.modes:
+                        answer = _ask(client, proxy, _prompt(rng, tokens), mode)
+                        sample = Sample(rate_name(rate), tokens, mode, run, answer.ttft_s,
+                                        answer.prefill_s if mode != "layerwise" else None,
+                                        answer.kv_transfer_s, answer.kv_bytes)
+                        result.samples.append(sample)
+                        done += 1
+                        progress(f"[{done}/{total}] rate {rate_name(rate)} {tokens} tokens {mode} run {run}: "
+                                 f"TTFT {answer.ttft_s * 1e3:.0f} ms"
+                                 + (f", transfer {answer.kv_transfer_s * 1e3:.0f} ms"
+                                    if answer.kv_transfer_s is not None else ""))
+        limit_link(hosts, None)
+    return result
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    kept = [v for v in values if v is not None]
+    return statistics.fmean(kept) if kept else None
+
+
+def _sd(values: Sequence[float]) -> float:
+    return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def rows(result: Result) -> list[dict[str, Any]]:
+    """Per (rate, tokens, mode): means over the runs."""
+    out = []
+    keys = sorted({(s.rate, s.tokens, s.mode) for s in result.samples},
+                  key=lambda k: (k[0], k[1], MODES.index(k[2]) if k[2] in MODES else 9))
+    for rate, tokens, mode in keys:
+        picked = [s for s in result.samples if (s.rate, s.tokens, s.mode) == (rate, tokens, mode)]
+        ttfts = [s.ttft_s for s in picked]
+        out.append({"rate": rate, "tokens": tokens, "mode": mode, "runs": len(picked),
+                    "ttft_ms": statistics.fmean(ttfts) * 1e3, "ttft_sd_ms": _sd(ttfts) * 1e3,
+                    "prefill_ms": _ms(_mean([s.prefill_s for s in picked])),
+                    "kv_transfer_ms": _ms(_mean([s.kv_transfer_s for s in picked])),
+                    "kv_mib": (_mean([s.kv_bytes for s in picked]) or 0) / 2**20})
+    return out
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else value * 1e3
+
+
+def targets(result: Result) -> list[str]:
+    """The issue's two targets, judged on this run."""
+    table = {(r["rate"], r["tokens"], r["mode"]): r for r in rows(result)}
+    lines = []
+    longest = max((s.tokens for s in result.samples), default=0)
+    pull, layer = table.get(("1gbit", longest, "pull")), table.get(("1gbit", longest, "layerwise"))
+    if pull and layer and pull["kv_transfer_ms"] is not None:
+        bound = pull["ttft_ms"] - 0.6 * pull["kv_transfer_ms"]
+        verdict = "met" if layer["ttft_ms"] <= bound else "missed"
+        lines.append(f"1gbit, {longest} tokens: layerwise TTFT {layer['ttft_ms']:.0f} ms vs bound "
+                     f"{bound:.0f} ms (pull {pull['ttft_ms']:.0f} - 0.6 x transfer {pull['kv_transfer_ms']:.0f}): "
+                     f"{verdict}")
+    for tokens in sorted({s.tokens for s in result.samples}):
+        pull, layer = table.get(("none", tokens, "pull")), table.get(("none", tokens, "layerwise"))
+        if pull and layer:
+            noise = max(pull["ttft_sd_ms"], layer["ttft_sd_ms"], 0.05 * pull["ttft_ms"])
+            verdict = "met" if layer["ttft_ms"] <= pull["ttft_ms"] + noise else "missed"
+            lines.append(f"no limit, {tokens} tokens: layerwise {layer['ttft_ms']:.0f} ms vs pull "
+                         f"{pull['ttft_ms']:.0f} ms (noise {noise:.0f}): {verdict}")
+    return lines
+
+
+def table(result: Result) -> str:
+    head = "| rate | tokens | mode | TTFT ms (sd) | P prefill ms | KV transfer ms | KV MiB |\n|---|---|---|---|---|---|---|"
+    lines = [head]
+    for r in rows(result):
+        prefill = "-" if r["prefill_ms"] is None else f"{r['prefill_ms']:.0f}"
+        transfer = "-" if r["kv_transfer_ms"] is None else f"{r['kv_transfer_ms']:.0f}"
+        lines.append(f"| {r['rate']} | {r['tokens']} | {r['mode']} | {r['ttft_ms']:.0f} ({r['ttft_sd_ms']:.0f}) "
+                     f"| {prefill} | {transfer} | {r['kv_mib']:.1f} |")
+    return "\n".join(lines)
+
+
+def write_json(result: Result, path: Path) -> None:
+    data = {"config": result.config, "machine": result.machine, "transport": result.transport,
+            "rows": rows(result), "targets": targets(result), "samples": [asdict(s) for s in result.samples]}
+    path.write_text(json.dumps(data, indent=1))
+
+
+def plot(result: Result, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table_rows = rows(result)
+    rates = list(dict.fromkeys(r["rate"] for r in table_rows))
+    fig, axes = plt.subplots(1, len(rates), figsize=(4.5 * len(rates), 3.6), squeeze=False)
+    for ax, rate in zip(axes[0], rates, strict=True):
+        for mode in MODES:
+            picked = [r for r in table_rows if r["rate"] == rate and r["mode"] == mode]
+            if picked:
+                ax.errorbar([r["tokens"] for r in picked], [r["ttft_ms"] for r in picked],
+                            yerr=[r["ttft_sd_ms"] for r in picked], marker="o", capsize=3, label=mode)
+        ax.set_title(f"P-D link: {rate}")
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel("TTFT (ms)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"kvlink 1P1D, SmolLM2-135M fp32, UCX TCP across two namespaces ({result.machine})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
