@@ -79,9 +79,9 @@ def p_writes(worker: NixlWorker) -> list[Any]:
     return list(worker.stats.transfers)
 
 
-@pytest.mark.parametrize("d_first", [True, False], ids=["d-asks-first", "p-finished-first"])
+@pytest.mark.parametrize("when", ["d-asks-first", "d-asks-mid-forward", "p-finished-first"])
 def test_layerwise_d_pages_equal_p_pages(pair: tuple[LLMEngine, LLMEngine, NixlWorker], model: Any,
-                                         d_first: bool) -> None:
+                                         when: str) -> None:
     p, d, p_worker = pair
     generator = torch.Generator().manual_seed(5)
     prompt = torch.randint(100, 40000, (90,), generator=generator).tolist()  # 5 blocks + 10 tokens
@@ -99,11 +99,32 @@ def test_layerwise_d_pages_equal_p_pages(pair: tuple[LLMEngine, LLMEngine, NixlW
         request = d.requests.get("d1")
         return request is not None and request.status is RequestStatus.WAITING and request.num_computed_tokens == n
 
-    if d_first:
+    d_first = when != "p-finished-first"
+    if when == "d-asks-first":
         d.add_request("d1", prompt, SamplingParams(max_tokens=6), layerwise_params(p, "p1"))
         for _ in range(3):  # D allocates and sends its push request; P has no such request yet
             d.step()
         p.add_request("p1", prompt, SamplingParams(max_tokens=1), P_PARAMS)
+    elif when == "d-asks-mid-forward":
+        # As when P and D get the request at once: D's push request arrives while P's forward
+        # is past its first layer. P looks between layers and catches up on the earlier ones.
+        sink = p.runner.layer_sink
+        assert sink is not None
+
+        def d_asks_during_layer_1(rid: str, layer: int, computed: int, tables: Any) -> None:
+            if rid == "p1" and layer == 1 and "d1" not in d.requests:
+                d.add_request("d1", prompt, SamplingParams(max_tokens=6), layerwise_params(p, "p1"))
+                for _ in range(3):
+                    d.step()
+            sink(rid, layer, computed, tables)
+
+        p.runner.layer_sink = d_asks_during_layer_1
+        p.add_request("p1", prompt, SamplingParams(max_tokens=1), P_PARAMS)
+        p.step()
+        p.runner.layer_sink = sink
+        # Every layer was posted during that forward, layer 0 too (caught up at layer 1).
+        (job,) = p_worker.push.streaming["p1"]
+        assert job.layers is not None and job.layers.writes == model.spec.num_layers
     else:
         p.add_request("p1", prompt, SamplingParams(max_tokens=1), P_PARAMS)
         p.step()  # the whole prefill, before D asks: it all goes in the last WRITE

@@ -63,13 +63,14 @@ def stream_completion(client: httpx.Client, base_url: str, prompt: str | list[in
                   {"prompt": prompt, "max_tokens": max_tokens, **extra})
 
 
-def stream(client: httpx.Client, base_url: str, path: str, request: dict[str, Any]) -> Answer:
+def stream(client: httpx.Client, base_url: str, path: str, request: dict[str, Any],
+           headers: dict[str, str] | None = None) -> Answer:
     """POST `request` with streaming and greedy sampling; collect text, timings and figures."""
     body = {"temperature": 0, **request, "stream": True, "stream_options": {"include_usage": True}}
     answer = Answer()
     pieces: list[str] = []
     started = time.monotonic()
-    with client.stream("POST", base_url + path, json=body) as response:
+    with client.stream("POST", base_url + path, json=body, headers=headers) as response:
         if response.status_code != 200:
             response.read()
             raise ServeError(f"{base_url} answered HTTP {response.status_code}: {response.text[:300]}")

@@ -49,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=ranged(PORT), default=8000)
     parser.add_argument("--tp", type=ranged(TP), default=1, help=f"tensor-parallel ranks (1..{MAX_TP})")
     parser.add_argument("--engine-id", default=None, help="connector engine id (default: random)")
+    parser.add_argument("--kv-host", default=None,
+                        help="address the KV side channel listens on and advertises (default: --host); "
+                             "a D whose HTTP and KV networks differ (push, layerwise) needs the KV one")
     parser.add_argument("--kv-port", type=ranged(PORT_OR_EPHEMERAL), default=None,
                         help="side-channel port for KV handshakes (P and D roles); rank r listens "
                              "on --kv-port + r (default or 0: an ephemeral port)")

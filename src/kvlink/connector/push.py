@@ -66,6 +66,7 @@ class PushWriter:
         self.streams: dict[str, Stream] = {}
         self.streaming: dict[str, list[_Job]] = {}
         self.layer_writes: dict[int, _Job] = {}
+        self.take_requests: Callable[[], None] | None = None  # the worker's: new push requests, now
         # D side: what runs once every source pushed (the worker's check of the load, if any),
         # and whether a load will be checked (then its sources wait for our `done` to free)
         self.on_all_pushed: Callable[[Load], None] = self.complete
@@ -177,6 +178,10 @@ class PushWriter:
     def save_kv_layer(self, request_id: str, layer: int, computed: int, tables: list[Any]) -> None:
         """After `layer` of a forward of `request_id`: WRITE that layer's chunks that are now
         complete to every D rank that asked, if their connection is ready."""
+        if request_id in self.streams and not self.streaming.get(request_id) and self.take_requests is not None:
+            # D's push request may have come in since this forward began (P and D got the
+            # request at once, and one forward can be the whole prefill): look, between layers.
+            self.take_requests()
         jobs = self.streaming.get(request_id)
         if not jobs:
             return
@@ -187,22 +192,25 @@ class PushWriter:
             if progress is None or progress.failed or reader is None or reader.plan is None:
                 continue
             num_tokens = int(info["num_tokens"])
-            start, end = progress.sent[layer], tokens_ready(computed, num_tokens, reader.plan.chunk_tokens)
-            if end <= start:
-                continue
-            if p_ids is None:
-                p_ids = [[int(b) for b in t.tolist()] for t in tables]
-            try:
-                (spec,) = reader.plan.request_ids(info["local_block_ids"], p_ids, num_tokens,
-                                                  int(info["local_computed_tokens"]), tokens=(start, end),
-                                                  layers=[layer])
-            except (KeyError, TypeError, ValueError) as exc:
-                log.warning("layerwise write of %s layer %d dropped: %s", request_id, layer, exc)
-                progress.failed = True
-                continue
-            progress.sent[layer] = end
-            if len(spec.local_idx):
-                self._post_layer(job, reader, spec, request_id)
+            end = tokens_ready(computed, num_tokens, reader.plan.chunk_tokens)
+            # This layer, and (the job joined mid-forward) the earlier layers of this forward.
+            for done in range(layer + 1):
+                start = progress.sent[done]
+                if end <= start:
+                    continue
+                if p_ids is None:
+                    p_ids = [[int(b) for b in t.tolist()] for t in tables]
+                try:
+                    (spec,) = reader.plan.request_ids(info["local_block_ids"], p_ids, num_tokens,
+                                                      int(info["local_computed_tokens"]), tokens=(start, end),
+                                                      layers=[done])
+                except (KeyError, TypeError, ValueError) as exc:
+                    log.warning("layerwise write of %s layer %d dropped: %s", request_id, done, exc)
+                    progress.failed = True
+                    break
+                progress.sent[done] = end
+                if len(spec.local_idx):
+                    self._post_layer(job, reader, spec, request_id)
         self.inflight.advance()  # over TCP the data moves when someone progresses the agent
 
     def _post_layer(self, job: _Job, reader: RemoteEngine, spec: Any, request_id: str) -> None:

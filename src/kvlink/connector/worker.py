@@ -130,6 +130,7 @@ class NixlWorker(ConnectorWorker):
         self.pull = PullReader(self, agent, geometry, self.inflight, self.engines, verifier, self.faults)
         self.push = PushWriter(self, agent, geometry, self.inflight, int(server.port) - self.tp_rank)
         self.push.on_all_pushed, self.push.will_check = self.pull.check_pushed, self.pull.will_check
+        self.push.take_requests = self._take_push_requests
         log.info("kvlink worker %s rank %d/%d: %d regions, %.1f MiB, side channel %s:%d",
                  self.config.engine_id, self.tp_rank, self.tp_size, len(geometry.regions),
                  sum(nbytes) / 2**20, server.host, server.port)

@@ -53,7 +53,7 @@ def _connector_config(args: argparse.Namespace) -> Any:
                          "($KVLINK_SECRET or --secret-file): drop one of them")
     require_secret(secret, insecure, engine_id)  # refuse now, before the model loads
     return ConnectorConfig(
-        engine_id=engine_id, side_channel_host=args.host,
+        engine_id=engine_id, side_channel_host=getattr(args, "kv_host", None) or args.host,
         side_channel_port=args.kv_port if args.kv_port is not None else 0,
         lease_s=args.lease_s, load_failure_policy=args.load_failure_policy,
         transfer_mode=args.transfer_mode, secret=secret, insecure_unsigned_params=insecure,
@@ -148,7 +148,7 @@ def build_engine(args: argparse.Namespace, progress: Progress = print) -> Served
         # a counter's increase sees its first one.
         exporter.update(worker.get_stats())
         progress(f"connector {config.engine_id}: KV side channel on "
-                 f"{args.host}:{local_worker.side_channel_port}, transfer mode {config.transfer_mode}, "
+                 f"{config.side_channel_host}:{local_worker.side_channel_port}, transfer mode {config.transfer_mode}, "
                  f"verify_kv {config.verify_kv}")
     progress(f"model {args.model} ready in {time.monotonic() - started:.1f}s "
              f"(tp={tp}, max_model_len={max_model_len})")
