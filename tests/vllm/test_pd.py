@@ -124,6 +124,7 @@ def reference_prompts() -> list[str]:
     prompts += [f"(via {kind}) {PROMPTS[i]}" for kind in ("kvlink", "vllm-router") for i in (0, 2)]
     prompts += ["(prefix) " + PROMPTS[3], "(frozen, recompute) " + PROMPTS[2], "(killed, recompute) " + PROMPTS[1]]
     prompts += ["(frozen) " + PROMPTS[2], "(frozen push, recompute) " + PROMPTS[1]]
+    prompts += [f"(layerwise) {p}" for p in PROMPTS]
     return prompts
 
 
@@ -281,6 +282,44 @@ def test_behind_a_router(pd: PD, colocated: Colocated, kind: str, tmp_path: Path
                 time.sleep(0.1)
     finally:
         stop_all([router])
+
+
+def test_layerwise_through_kvlink_proxy_equals_colocated(pd: PD, colocated: Colocated, tmp_path: Path) -> None:
+    """`kvlink proxy --mode layerwise` in front of vLLM P and D: vLLM P has no /v1/kv_endpoint,
+    so the proxy sends the first request the classic way and learns P's side channel from
+    its params; after that P and D get each request at once, D asks P, and P WRITEs each
+    attention layer's finished blocks from vLLM's `save_kv_layer` (the rest with `pushed`).
+    Every answer equals colocated vLLM's, and D read nothing of the layerwise ones."""
+    port = free_port()
+    router = start_process("router-layerwise", router_argv("kvlink", [pd.a.url], [pd.b.url], port, 60.0,
+                                                          extra_args=["--mode", "layerwise"]),
+                           f"http://127.0.0.1:{port}", tmp_path)
+    try:
+        wait_healthy([router], 60)
+        writes = []
+        for index, tail in enumerate(PROMPTS):
+            prompt = "(layerwise) " + tail
+            read_before = vllm_metric(pd.b, "vllm:kvlink_bytes_transferred_count")
+            wrote_before = vllm_metric(pd.a, "vllm:kvlink_bytes_transferred_count")
+            resp = httpx.post(router.url + "/v1/completions", timeout=60, json={
+                "model": pd.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True})
+            assert resp.status_code == 200, resp.text + router.log_tail()
+            assert resp.json()["choices"][0]["text"] == colocated(prompt)
+            deadline = time.monotonic() + 5
+            while vllm_metric(pd.a, "vllm:kvlink_bytes_transferred_count") == wrote_before and index:
+                assert time.monotonic() < deadline, "P wrote nothing for a layerwise request"
+                time.sleep(0.1)
+            if index:  # the first one went the classic way (pull): D read it
+                assert vllm_metric(pd.b, "vllm:kvlink_bytes_transferred_count") == read_before
+            writes.append(vllm_metric(pd.a, "vllm:kvlink_bytes_transferred_count") - wrote_before)
+        print(f"P's WRITEs per layerwise request: {writes[1:]}")
+        log = router.log_tail()
+        assert "has no /v1/kv_endpoint" in (tmp_path / "router-layerwise.log").read_text(errors="replace"), log
+    finally:
+        stop_all([router])
+    for name, server in (("a", pd.a), ("b", pd.b)):
+        wait_idle(pd, server, name, 20)
 
 
 def test_kv_transfer_metrics_line_and_worker_counters(pd: PD) -> None:

@@ -156,8 +156,9 @@ def _sd(values: Sequence[float]) -> float:
 def rows(result: Result) -> list[dict[str, Any]]:
     """Per (rate, tokens, mode): means over the runs."""
     out = []
+    rate_order = list(dict.fromkeys(s.rate for s in result.samples))  # as run: the config's order
     keys = sorted({(s.rate, s.tokens, s.mode) for s in result.samples},
-                  key=lambda k: (k[0], k[1], MODES.index(k[2]) if k[2] in MODES else 9))
+                  key=lambda k: (rate_order.index(k[0]), k[1], MODES.index(k[2]) if k[2] in MODES else 9))
     for rate, tokens, mode in keys:
         picked = [s for s in result.samples if (s.rate, s.tokens, s.mode) == (rate, tokens, mode)]
         ttfts = [s.ttft_s for s in picked]

@@ -51,6 +51,9 @@ class StepMetadata:
     # P (layerwise): requests whose layers go to D as the forward produces them, once D asks:
     # {"request_id", "prompt_hash", "num_tokens"} (tokens P computes, prompt length - 1).
     streams: list[dict[str, Any]] = field(default_factory=list)
+    # P inside vLLM (layerwise): the stream requests this step's forward computes, with their
+    # block ids so far and the tokens computed once it ends ({"request_id", "block_ids", "end"}).
+    layer_progress: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -198,8 +198,8 @@ class PushWriter:
                 start = progress.sent[done]
                 if end <= start:
                     continue
-                if p_ids is None:
-                    p_ids = [[int(b) for b in t.tolist()] for t in tables]
+                if p_ids is None:  # torch tensors (kvlink's engine) or lists (vLLM's block ids)
+                    p_ids = [[int(b) for b in (t.tolist() if hasattr(t, "tolist") else t)] for t in tables]
                 try:
                     (spec,) = reader.plan.request_ids(info["local_block_ids"], p_ids, num_tokens,
                                                       int(info["local_computed_tokens"]), tokens=(start, end),

@@ -228,6 +228,10 @@ class NixlScheduler(ConnectorScheduler):
             params["kv_signature"] = sign(params, self._secret)
         return True, params
 
+    def streams(self) -> set[str]:
+        """P: the layerwise requests still prefilling."""
+        return self._streams
+
     def _mode(self, request: RequestView) -> str:
         return requested_mode(request.kv_transfer_params) or self.config.transfer_mode
 

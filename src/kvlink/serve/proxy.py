@@ -128,6 +128,7 @@ def build_proxy_app(
             raise APIError(502, f"prefill instance {instance.url} answered without "
                                 "kv_transfer_params; is it running with --role prefill?",
                            "prefill_failed")
+        learn_endpoint(instance.url, params)
         return params, prefill_s
 
     async def stream_decode(path: str, body: dict[str, Any], headers: dict[str, str],
@@ -179,28 +180,38 @@ def build_proxy_app(
         return StreamingResponse(passthrough(), media_type="text/event-stream",
                                  headers={PREFILL_HEADER: f"{prefill_s:.6f}"})
 
+    # P's side channel per P instance (fixed for the life of P): from P's /v1/kv_endpoint, or,
+    # for a P without one (vLLM), from the params of its first classic answer.
     endpoints: dict[str, dict[str, Any]] = {}
+    no_endpoint: set[str] = set()
+    endpoint_keys = ("remote_engine_id", "remote_host", "remote_port", "tp_size")
 
-    async def kv_endpoint(instance: Instance) -> dict[str, Any]:
-        """P's side channel, asked once per P instance (it is fixed for the life of P)."""
+    def learn_endpoint(url: str, params: dict[str, Any]) -> None:
+        if url not in endpoints and all(key in params for key in endpoint_keys):
+            endpoints[url] = {key: params[key] for key in endpoint_keys}
+
+    async def kv_endpoint(instance: Instance) -> dict[str, Any] | None:
         known = endpoints.get(instance.url)
-        if known is not None:
+        if known is not None or instance.url in no_endpoint:
             return known
         try:
             response = await asyncio.wait_for(client.get(instance.url + "/v1/kv_endpoint"), timeout_s)
         except Exception as error:
             raise transport_error("prefill", instance.url, error, timeout_s) from error
         if response.status_code != 200:
-            raise APIError(502, f"prefill instance {instance.url} gives no KV endpoint for layerwise "
-                                f"requests (HTTP {response.status_code}); is it a kvlink prefill instance?",
-                           "prefill_failed")
+            logger.info("prefill instance %s has no /v1/kv_endpoint (HTTP %d): its next request goes the "
+                        "classic way, and its params tell where later layerwise requests go",
+                        instance.url, response.status_code)
+            no_endpoint.add(instance.url)
+            return None
         endpoints[instance.url] = dict(response.json())
         return endpoints[instance.url]
 
     async def route_layerwise(raw: Request, path: str, body: dict[str, Any], headers: dict[str, str],
-                              started: float) -> Response:
+                              started: float) -> Response | None:
         """P and D at once: D allocates and asks P (by request id, for this prompt) to write
-        each layer into its blocks as P computes it. A P failure before D answers cancels D."""
+        each layer into its blocks as P computes it. A P failure before D answers cancels D.
+        None: P's side channel is not known yet (the caller goes the classic way)."""
         request_id = headers["X-Request-Id"]
         p_instance = prefill.take()
         try:
@@ -208,6 +219,9 @@ def build_proxy_app(
         except APIError:
             prefill.release(p_instance)
             raise
+        if endpoint is None:
+            prefill.release(p_instance)
+            return None
         p_call = asyncio.ensure_future(post_json("prefill", p_instance, path, layerwise_prefill_body(body), headers))
         p_call.add_done_callback(lambda _: prefill.release(p_instance))
 
@@ -264,11 +278,13 @@ def build_proxy_app(
         decode_url: str | None = None
         if wants_layerwise(body, mode):
             try:
-                return await unless_disconnected(raw, route_layerwise(raw, path, body, headers, started))
+                layered = await unless_disconnected(raw, route_layerwise(raw, path, body, headers, started))
             except APIError as error:
                 metrics.inc("requests_total", outcome=error.code or "error")
                 log_request(request_id, None, None, started, f"{error.code or 'error'} ({error.message})")
                 raise
+            if layered is not None:
+                return layered
         try:
             # A client that leaves while P prefills must not get its KV moved to D for nobody:
             # cancelling the upstream call closes that connection, and the instance aborts.

@@ -326,7 +326,9 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
         self._work().progress()
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return None  # P's blocks are read (pull) or written out (push) after the request finished
+        # Pull and push move P's blocks after the request finished; layerwise requests write
+        # this layer's new chunks to D right now.
+        self._work().save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
         # After the forward: seal the requests whose prefill it completed (verify_kv), so

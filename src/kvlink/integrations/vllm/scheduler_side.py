@@ -39,6 +39,9 @@ class SchedulerSide:
         self._full_prompt: dict[str, list[int]] = {}
         # P with verify_kv: requests that end with their prefill, sealed right after it (see _seals).
         self._prefills: dict[str, _Prefill] = {}
+        # P, layerwise: block ids so far of the requests streamed layer by layer (see _layer_progress).
+        self._stream_blocks: dict[str, list[list[int]]] = {}
+        self.streams_layers = model is not None and len(model.groups) == 1 and model.groups[0].kind != "mla"
 
     def on_new_request(self, request: Any) -> None:
         if getattr(request, "abort_immediately", False):
@@ -148,8 +151,41 @@ class SchedulerSide:
         self.core.update_state_after_alloc(view(request), block_ids, num_external_tokens,
                                            self._local_hit.pop(rid, 0))
 
+    def _layer_progress(self, scheduler_output: Any) -> list[dict[str, Any]]:
+        """P, layerwise: each stream request this step computes, its blocks so far and the tokens
+        it has once the forward ends (the worker writes each layer's new chunks right after it).
+        Only single-group attention models: their layer order is the registered one."""
+        streams = self.core.streams()
+        if not streams or scheduler_output is None or not self.streams_layers:
+            self._stream_blocks.clear()
+            return []
+        scheduled: dict[str, int] = getattr(scheduler_output, "num_scheduled_tokens", {}) or {}
+        out = []
+        for new in getattr(scheduler_output, "scheduled_new_reqs", ()) or ():
+            if new.req_id in streams:
+                self._stream_blocks[new.req_id] = [list(ids) for ids in new.block_ids]
+                out.append((new.req_id, int(new.num_computed_tokens)))
+        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+        for i, rid in enumerate(getattr(cached, "req_ids", ()) or ()):
+            blocks = self._stream_blocks.get(rid)
+            if rid not in streams or blocks is None:
+                continue
+            added = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                self._stream_blocks[rid] = [list(ids) for ids in added or ()]
+            elif added is not None:
+                for group, ids in enumerate(added):
+                    blocks[group].extend(ids)
+            out.append((rid, int(cached.num_computed_tokens[i])))
+        for rid in [r for r in self._stream_blocks if r not in streams]:
+            del self._stream_blocks[rid]
+        return [{"request_id": rid, "block_ids": self._stream_blocks[rid],
+                 "end": computed + int(scheduled.get(rid, 0))} for rid, computed in out]
+
     def build_step(self, scheduler_output: Any = None) -> StepMetadata:
+        progress = self._layer_progress(scheduler_output)  # before the core's step: it ends streams
         step = self.core.build_step_metadata()
+        step.layer_progress = progress
         step.seals = self._seals(scheduler_output)
         if self._refused_loads:
             step.loads.extend(self._refused_loads)

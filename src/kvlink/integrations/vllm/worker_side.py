@@ -56,6 +56,8 @@ class WorkerSide:
         self._agent_config = agent_config
         self._groups = groups  # hybrid: vLLM's groups, whose layers alias one allocation
         self.metrics: WorkerMetrics | None = None
+        self._layer_of: dict[str, int] = {}  # layerwise: vLLM layer name -> kvlink layer
+        self._progress: list[dict[str, Any]] = []  # this step's layerwise requests
 
     def register_kv_caches(self, kv_caches: dict[str, Any], local_kv_heads: int, isa: str) -> None:
         """Register vLLM's KV views; `isa` is the CPU attention kernel vLLM resolved for them."""
@@ -66,6 +68,7 @@ class WorkerSide:
             bases, sizes, num_blocks, ssm_page_stride = check_hybrid_tensors(tensors, self._groups)
         else:
             layers = order_layers(tensors)
+            self._layer_of = {t.name: i for i, t in enumerate(layers)}
             if len(layers) != self.model.num_layers:
                 raise UnsupportedVllmLayout(
                     f"kvlink: vLLM registered KV caches of {len(layers)} distinct layers "
@@ -105,7 +108,17 @@ class WorkerSide:
             for entry in refused:
                 blocks = {int(b) for ids in entry.get("local_block_ids", []) for b in ids}
                 self.core.fail_request(entry["request_id"], blocks, entry["error"], bad_params=True)
+        self._progress = step.layer_progress
         self.core.start_load_kv(step)
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        """After attention layer `layer_name` of a forward: the layerwise requests' new chunks
+        of that layer go to D now (vLLM's `save_kv_layer`)."""
+        layer = self._layer_of.get(layer_name)
+        if self.core is None or self.core.push is None or layer is None:
+            return
+        for entry in self._progress:
+            self.core.push.save_kv_layer(entry["request_id"], layer, int(entry["end"]), entry["block_ids"])
 
     def seal_now(self, seals: Sequence[dict[str, Any]]) -> None:
         if self.core is not None:

@@ -1,0 +1,50 @@
+"""`kvlink bench layerwise`'s arithmetic and options (the run itself needs root and is a benchmark)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from kvlink.bench.layerwise import Result, Sample, p_times, rows, table, targets
+from kvlink.cli.bench_layerwise import _modes, _rates, _tokens
+
+
+def sample(rate: str, mode: str, ttft: float, p: float, transfer: float | None, run: int = 0) -> Sample:
+    return Sample(rate, 2048, mode, run, ttft, None, transfer, 90 << 20, f"{rate}-{mode}-{run}", p)
+
+
+def test_p_times_read_p_log_lines(tmp_path: Path) -> None:
+    log = tmp_path / "prefill.log"
+    log.write_text("2026-12-02 kvlink.serve request lw-1gbit-256-pull-0 role=prefill prompt_tokens=256 "
+                   "output_tokens=0 finish=length ttft=- total=941.5ms\n"
+                   "2026-12-02 kvlink.serve request x role=decode prompt_tokens=9 total=5.0ms\nnoise\n")
+    assert p_times(log) == {"lw-1gbit-256-pull-0": pytest.approx(0.9415)}
+    assert p_times(tmp_path / "missing.log") == {}
+
+
+def test_rows_and_targets() -> None:
+    result = Result({}, "machine", "tcp")
+    for run in range(2):
+        result.samples += [sample("1gbit", "pull", 12.9 + run * 0.1, 11.9, 0.8, run),
+                           sample("1gbit", "layerwise", 12.0 + run * 0.1, 11.9, 11.9, run),
+                           sample("none", "pull", 11.0, 10.7, 0.16, run),
+                           sample("none", "layerwise", 11.7, 10.7, 10.9, run)]
+    by_key = {(r["rate"], r["mode"]): r for r in rows(result)}
+    assert by_key[("1gbit", "pull")]["after_p_ms"] == pytest.approx(1050.0)
+    assert by_key[("1gbit", "pull")]["ttft_sd_ms"] == pytest.approx(70.71, abs=0.01)
+    lines = targets(result)
+    assert lines[0].endswith("met") and "bound 12470 ms" in lines[0]  # 12950 - 0.6 x 800
+    assert lines[1].endswith("met")  # past P: 150 <= 1050 - 480
+    assert lines[2].endswith("missed")  # no limit: 11700 > 11000 + noise (5 % of pull: 550)
+    assert "| 1gbit | 2048 | layerwise |" in table(result)
+
+
+def test_options_refuse_what_they_cannot_run() -> None:
+    assert _rates("1gbit,none,500mbit") == ("1gbit", None, "500mbit")
+    assert _tokens("256,2048") == (256, 2048)
+    assert _modes("pull,layerwise") == ("pull", "layerwise")
+    for parse, bad in ((_rates, "fast"), (_tokens, "1"), (_tokens, "9000"), (_modes, "stream")):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse(bad)
