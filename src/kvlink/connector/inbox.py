@@ -41,10 +41,12 @@ def drain_notifications(agent: NixlAgent, secret: bytes | None, stats: Connector
                 stats.count("bad_notifications_total")
                 log.warning("dropping notification from %s: %s", sender, exc)
                 continue
+            # A layerwise D names P's request by the key the proxy gave both (an engine like
+            # vLLM renames its requests): `resolve` maps it to P's own id.
             if isinstance(msg, Done):
-                leases.notify(msg.request_id, msg.expected, now)
+                leases.notify(push.resolve(msg.request_id), msg.expected, now)
             elif isinstance(msg, Heartbeat):
-                leases.heartbeat(list(msg.request_ids), now)
+                leases.heartbeat([push.resolve(rid) for rid in msg.request_ids], now)
             elif isinstance(msg, PushRequest):
                 push.on_push_request(msg, now)
             elif isinstance(msg, Pushed):

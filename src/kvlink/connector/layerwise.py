@@ -19,6 +19,7 @@ class Stream:
     request_id: str
     prompt_hash: str
     num_tokens: int  # prompt length - 1: what P computes and ships
+    key: str  # what D calls it: the id the proxy gave P and D (P's own id unless renamed)
 
 
 @dataclass

@@ -64,6 +64,7 @@ class PushWriter:
         # Layerwise (P): requests announced by the scheduler side, the jobs writing each one's
         # layers as the forward makes them, and those layer WRITEs in flight.
         self.streams: dict[str, Stream] = {}
+        self.stream_keys: dict[str, str] = {}  # D's name for a stream -> P's request id
         self.streaming: dict[str, list[_Job]] = {}
         self.layer_writes: dict[int, _Job] = {}
         self.take_requests: Callable[[], None] | None = None  # the worker's: new push requests, now
@@ -165,12 +166,27 @@ class PushWriter:
 
     def open_stream(self, entry: dict[str, object]) -> None:
         rid = str(entry["request_id"])
-        self.streams[rid] = Stream(rid, str(entry["prompt_hash"]), int(str(entry["num_tokens"])))
+        stream = Stream(rid, str(entry["prompt_hash"]), int(str(entry["num_tokens"])), str(entry.get("key") or rid))
+        self.streams[rid] = stream
+        holder = self.stream_keys.get(stream.key)
+        if holder is not None and holder in self.streams and holder != rid:
+            # First come keeps the name; a D asking by it gets that one (or is refused by
+            # the prompt check), never this request's KV.
+            log.warning("layerwise key %r of request %s already names request %s; not streaming it",
+                        stream.key, rid, holder)
+            return
+        self.stream_keys[stream.key] = rid
 
     def end_stream(self, request_id: str) -> None:
         """P freed the request (D read it, its lease ran out, or it was aborted)."""
-        self.streams.pop(request_id, None)
+        stream = self.streams.pop(request_id, None)
+        if stream is not None and self.stream_keys.get(stream.key) == request_id:
+            del self.stream_keys[stream.key]
         self.streaming.pop(request_id, None)
+
+    def resolve(self, request_id: str) -> str:
+        """P's own id of the request a layerwise D names by its key (else `request_id`)."""
+        return self.stream_keys.get(request_id, request_id)
 
     def on_push_request(self, msg: PushRequest, now: float) -> None:
         self.jobs.append(_Job(msg, now))
@@ -279,7 +295,7 @@ class PushWriter:
         self.jobs = keep
 
     def _try_write(self, job: _Job) -> bool:
-        info, rid = job.request.info, job.request.request_id
+        info, rid = job.request.info, self.resolve(job.request.request_id)
         try:
             d_engine, d_rank = str(info["d_engine_id"]), int(info["d_rank"])
             host, port = str(info["d_host"]), int(info["d_port"])
@@ -357,7 +373,7 @@ class PushWriter:
                         parts[0].local_blocks)
 
     def _unstream(self, job: _Job) -> None:
-        jobs = self.streaming.get(job.request.request_id)
+        jobs = self.streaming.get(self.resolve(job.request.request_id))
         if jobs is not None and job in jobs:
             jobs.remove(job)
 

@@ -74,9 +74,12 @@ class NixlScheduler(ConnectorScheduler):
         # bad `do_remote_decode` would raise and stop the engine thread.
         if wants_remote_decode(request.kv_transfer_params) and self._mode(request) == "layerwise":
             self._streams.add(request.request_id)
+            key = (request.kv_transfer_params or {}).get("layerwise_id")
             self._step.streams.append({
                 "request_id": request.request_id, "prompt_hash": prompt_hash(request.prompt_token_ids),
-                "num_tokens": max(0, len(request.prompt_token_ids) - 1)})
+                "num_tokens": max(0, len(request.prompt_token_ids) - 1),
+                # the proxy's name for it, which D uses (an engine may rename its requests)
+                "key": key if isinstance(key, str) and key else request.request_id})
         if wants_remote_prefill(request.kv_transfer_params):
             assert request.kv_transfer_params is not None
             params = parse_remote_prefill(request.kv_transfer_params)
@@ -102,6 +105,8 @@ class NixlScheduler(ConnectorScheduler):
             return
         assert request.kv_transfer_params is not None
         params = parse_remote_prefill(request.kv_transfer_params)
+        if is_layerwise(params):  # P holds nothing for us yet: its stream ends with its request
+            return
         check_integrity(params, None, self._secret, self._wall_clock())
         self._step.notify_only.append(self._entry(request.request_id, params))
 

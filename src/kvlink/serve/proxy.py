@@ -59,9 +59,11 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
 
 
 
-def layerwise_prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+def layerwise_prefill_body(body: dict[str, Any], key: str) -> dict[str, Any]:
+    """P prefills and writes into the blocks of whichever D asks for `key` (D's
+    `remote_request_id`: P's own id may differ, vLLM renames its requests)."""
     request = prefill_body(body)
-    request["kv_transfer_params"] = {"do_remote_decode": True, "transfer_mode": "layerwise"}
+    request["kv_transfer_params"] = {"do_remote_decode": True, "transfer_mode": "layerwise", "layerwise_id": key}
     return request
 
 
@@ -222,7 +224,7 @@ def build_proxy_app(
         if endpoint is None:
             prefill.release(p_instance)
             return None
-        p_call = asyncio.ensure_future(post_json("prefill", p_instance, path, layerwise_prefill_body(body), headers))
+        p_call = asyncio.ensure_future(post_json("prefill", p_instance, path, layerwise_prefill_body(body, request_id), headers))
         p_call.add_done_callback(lambda _: prefill.release(p_instance))
 
         def p_done(task: asyncio.Future[Any]) -> None:
