@@ -314,6 +314,9 @@ def test_layerwise_through_kvlink_proxy_equals_colocated(pd: PD, colocated: Colo
                 assert vllm_metric(pd.b, "vllm:kvlink_bytes_transferred_count") == read_before
             writes.append(vllm_metric(pd.a, "vllm:kvlink_bytes_transferred_count") - wrote_before)
         print(f"P's WRITEs per layerwise request: {writes[1:]}")
+        # One WRITE per attention layer while P's forward runs, when D asked before it ended
+        # (it may ask later, under load: then one WRITE after the prefill, still exact).
+        assert max(writes[1:]) > 1, f"P never wrote during a forward: {writes[1:]}"
         log = router.log_tail()
         assert "has no /v1/kv_endpoint" in (tmp_path / "router-layerwise.log").read_text(errors="replace"), log
     finally:

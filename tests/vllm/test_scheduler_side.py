@@ -113,3 +113,22 @@ def test_requests_that_go_on_after_the_prefill_are_sealed_when_they_finish() -> 
     one.max_tokens = 1
     off.on_new_request(one)
     assert off.build_step(_output(new[:1], scheduled={"r1": 3})).seals == []
+
+
+def test_layerwise_p_names_each_step_s_stream_requests_with_their_blocks_and_end() -> None:
+    """P in layerwise mode: every step that computes a stream request tells the workers its
+    block ids so far and how many tokens exist once the forward ends (chunk by chunk)."""
+    s = side([ATTENTION])
+    r = request(list(range(300)), {"do_remote_decode": True, "transfer_mode": "layerwise", "layerwise_id": "k1"})
+    r.max_tokens = 1
+    s.on_new_request(r)
+    first_step = s.build_step(_output([SimpleNamespace(req_id="r1", block_ids=([4, 5],), num_computed_tokens=0)],
+                                      scheduled={"r1": 256}))
+    assert first_step.streams == [{"request_id": "r1", "prompt_hash": first_step.streams[0]["prompt_hash"],
+                                   "num_tokens": 299, "key": "k1"}]
+    assert first_step.layer_progress == [{"request_id": "r1", "block_ids": [[4, 5]], "end": 256}]
+    chunk = SimpleNamespace(req_ids=["r1"], resumed_req_ids=set(), new_block_ids=[([9],)], num_computed_tokens=[256])
+    assert s.build_step(_output(cached=chunk, scheduled={"r1": 44})).layer_progress == [
+        {"request_id": "r1", "block_ids": [[4, 5, 9]], "end": 300}]
+    s.request_finished(r, [[4, 5, 9]])
+    assert s.build_step(_output(cached=chunk, scheduled={"r1": 44})).layer_progress == []

@@ -332,6 +332,11 @@ class PushWriter:
                 self._unstream(job)
                 return True
             spec = self._final_spec(job, reader, blocks)
+            if job.layerwise:  # one line per layerwise push: how much went during the prefill
+                during = job.layers
+                log.info("layerwise push of %s to %s rank %d: %d WRITEs (%d bytes) during the prefill, "
+                         "%d bytes after it", rid, d_engine, d_rank, during.writes if during else 0,
+                         during.bytes if during else 0, spec.nbytes)
             named = tuple(tuple(int(b) for b in g) for g in blocks) if job.layerwise else None
             expected = int(info["expected"])
             done = encode(Pushed(str(info["d_request_id"]), named), self.worker.secret)

@@ -328,7 +328,9 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         # Pull and push move P's blocks after the request finished; layerwise requests write
         # this layer's new chunks to D right now.
-        self._work().save_kv_layer(layer_name)
+        metadata = self._get_connector_metadata() if self.has_connector_metadata() else None
+        if isinstance(metadata, KvlinkMetadata) and metadata.step.layer_progress:
+            self._work().save_kv_layer(layer_name, metadata.step)
 
     def wait_for_save(self) -> None:
         # After the forward: seal the requests whose prefill it completed (verify_kv), so

@@ -108,17 +108,23 @@ class WorkerSide:
             for entry in refused:
                 blocks = {int(b) for ids in entry.get("local_block_ids", []) for b in ids}
                 self.core.fail_request(entry["request_id"], blocks, entry["error"], bad_params=True)
-        self._progress = step.layer_progress
         self.core.start_load_kv(step)
 
-    def save_kv_layer(self, layer_name: str) -> None:
+    def save_kv_layer(self, layer_name: str, step: StepMetadata) -> None:
         """After attention layer `layer_name` of a forward: the layerwise requests' new chunks
-        of that layer go to D now (vLLM's `save_kv_layer`)."""
+        of that layer go to D now (vLLM's `save_kv_layer`). `step` is the metadata bound for
+        this forward: vLLM's CPU runner calls `start_load_kv` only after the forward, so the
+        step's new streams are opened here, at its first layer."""
         layer = self._layer_of.get(layer_name)
-        if self.core is None or self.core.push is None or layer is None:
+        if self.core is None or self.core.push is None or layer is None or not step.layer_progress:
             return
+        push = self.core.push
+        if self._progress is not step.layer_progress:
+            self._progress = step.layer_progress
+            for stream in step.streams:
+                push.open_stream(stream)
         for entry in self._progress:
-            self.core.push.save_kv_layer(entry["request_id"], layer, int(entry["end"]), entry["block_ids"])
+            push.save_kv_layer(entry["request_id"], layer, int(entry["end"]), entry["block_ids"])
 
     def seal_now(self, seals: Sequence[dict[str, Any]]) -> None:
         if self.core is not None:
