@@ -35,12 +35,18 @@ from kvlink.engine.request import RequestOutput, RequestStatus, SamplingParams
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 
-@pytest.fixture(scope="module", params=["tiny-hybrid", "smollm2-135m"])
-def model(request: pytest.FixtureRequest) -> Any:
+@pytest.fixture(scope="module")
+def models() -> dict[str, Any]:
+    return {}
+
+
+@pytest.fixture
+def model(models: dict[str, Any], model_name: str) -> Any:
     from kvlink.engine.models import load_model
 
-    loaded, _ = load_model(request.param, progress=lambda line: None)
-    return loaded
+    if model_name not in models:
+        models[model_name], _ = load_model(model_name, progress=lambda line: None)
+    return models[model_name]
 
 
 def engine_for(name: str, model: Any, kernel: int, policy: str = "fail") -> tuple[LLMEngine, NixlWorker]:
@@ -83,9 +89,12 @@ def p_writes(worker: NixlWorker) -> list[Any]:
     return list(worker.stats.transfers)
 
 
-@pytest.mark.parametrize("when", ["d-asks-first", "d-asks-mid-forward", "p-finished-first"])
+# Every case on the hybrid (attention and SSM layers); SmolLM2 (30 layers) where D joins mid-forward.
+@pytest.mark.parametrize(("model_name", "when"), [
+    ("tiny-hybrid", "d-asks-first"), ("tiny-hybrid", "d-asks-mid-forward"), ("tiny-hybrid", "p-finished-first"),
+    ("smollm2-135m", "d-asks-mid-forward")])
 def test_layerwise_d_pages_equal_p_pages(pair: tuple[LLMEngine, LLMEngine, NixlWorker], model: Any,
-                                         when: str) -> None:
+                                         model_name: str, when: str) -> None:
     p, d, p_worker = pair
     generator = torch.Generator().manual_seed(5)
     prompt = torch.randint(100, 40000, (90,), generator=generator).tolist()  # 5 blocks + 10 tokens

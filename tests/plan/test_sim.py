@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,8 +15,8 @@ from kvlink.layout.geometry import build_worker_geometry, packed_base_addrs
 from kvlink.layout.presets import TINY_HYBRID
 from kvlink.layout.spec import GDN, MLA, FullAttention, GroupSpec, Mamba2, ModelSpec, SlidingWindow
 from kvlink.plan.compat import IncompatibleLayout, check_configuration
-from kvlink.plan.tp_mapping import compute_tp_mapping, consumers_per_producer
 from kvlink.plan.request import ReadSpec
+from kvlink.plan.tp_mapping import compute_tp_mapping, consumers_per_producer
 from kvlink.plan.transfer_plan import TransferPlan, build_transfer_plan
 
 TP_PAIRS = [(p, d) for p in (1, 2, 4, 8) for d in (1, 2, 4, 8)]
@@ -103,7 +104,7 @@ def _layerwise_specs(plan: TransferPlan, model: ModelSpec, d_ids: list[np.ndarra
     c = plan.chunk_tokens
     inner = sorted({int(x) * c for x in rng.integers(0, shipped // c + 1, size=int(rng.integers(0, 4)))})
     bounds = sorted({0, shipped, *[b for b in inner if b < shipped]})
-    parts = [(lo, hi, layer) for lo, hi in zip(bounds, bounds[1:], strict=False)
+    parts = [(lo, hi, layer) for lo, hi in itertools.pairwise(bounds)
              for layer in range(model.num_layers)]
     if shipped == 0:
         parts = [(0, 0, layer) for layer in range(model.num_layers)]
