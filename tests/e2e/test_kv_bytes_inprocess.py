@@ -101,6 +101,23 @@ def run_until(engines: list[LLMEngine], done: Any, outputs: dict[str, list[Reque
                 return
 
 
+def plain_answer(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
+    """Greedy tokens of a plain engine (no connector) for `prompt`: what D must answer."""
+    plain = LLMEngine(model, NUM_BLOCKS, BLOCK, P_KERNEL)
+    plain.add_request("c1", prompt, SamplingParams(max_tokens=max_tokens))
+    reference: dict[str, list[RequestOutput]] = {}
+    run_until([plain], lambda: not plain.has_unfinished(), reference)
+    return [t for out in reference["c1"] for t in out.new_token_ids]
+
+
+def assert_idle(engines: list[LLMEngine]) -> None:
+    """Pools whole, every block free, no lease left."""
+    for engine in engines:
+        engine.check_integrity()
+        assert engine.stats()["free_blocks"] == [NUM_BLOCKS] * len(engine.pools)
+        assert engine.stats()["connector"]["leases"] == 0
+
+
 def test_d_pages_equal_p_pages_bit_for_bit(pair: tuple[LLMEngine, LLMEngine], model: Any) -> None:
     p, d = pair
     generator = torch.Generator().manual_seed(3)
@@ -140,15 +157,8 @@ def test_d_pages_equal_p_pages_bit_for_bit(pair: tuple[LLMEngine, LLMEngine], mo
     tokens = [t for out in outputs["d1"] for t in out.new_token_ids]
     assert outputs["d1"][0].kv_bytes and outputs["d1"][0].kv_bytes > 0
 
-    plain = LLMEngine(model, NUM_BLOCKS, BLOCK, P_KERNEL)
-    plain.add_request("c1", prompt, SamplingParams(max_tokens=6))
-    reference: dict[str, list[RequestOutput]] = {}
-    run_until([plain], lambda: not plain.has_unfinished(), reference)
-    assert tokens == [t for out in reference["c1"] for t in out.new_token_ids]
-    for engine in (p, d):
-        engine.check_integrity()
-        assert engine.stats()["free_blocks"] == [NUM_BLOCKS] * len(engine.pools)
-        assert engine.stats()["connector"]["leases"] == 0
+    assert tokens == plain_answer(model, prompt, 6)
+    assert_idle([p, d])
 
 
 @pytest.mark.parametrize("tail", [20, 1], ids=["partial-hit", "full-hit"])
@@ -195,13 +205,5 @@ def test_d_prefix_hit_gets_p_state(pair: tuple[LLMEngine, LLMEngine], model: Any
     else:
         assert moved is None, "nothing to move"
 
-    plain = LLMEngine(model, NUM_BLOCKS, BLOCK, P_KERNEL)
-    plain.add_request("c1", prompt, SamplingParams(max_tokens=6))
-    reference: dict[str, list[RequestOutput]] = {}
-    run_until([plain], lambda: not plain.has_unfinished(), reference)
-    assert [t for out in outputs["d1"] for t in out.new_token_ids] == [
-        t for out in reference["c1"] for t in out.new_token_ids]
-    for engine in (p, d):
-        engine.check_integrity()
-        assert engine.stats()["free_blocks"] == [NUM_BLOCKS] * len(engine.pools)
-        assert engine.stats()["connector"]["leases"] == 0
+    assert [t for out in outputs["d1"] for t in out.new_token_ids] == plain_answer(model, prompt, 6)
+    assert_idle([p, d])

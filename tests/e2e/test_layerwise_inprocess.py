@@ -8,6 +8,7 @@ is not the one P prefills gets nothing written, and fails at its deadline; nothi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Iterator
@@ -21,6 +22,8 @@ from test_kv_bytes_inprocess import (
     NUM_BLOCKS,
     P_KERNEL,
     SECRET,
+    assert_idle,
+    plain_answer,
     run_until,
     ssm_pages,
     token_rows,
@@ -62,8 +65,9 @@ def engine_for(name: str, model: Any, kernel: int, policy: str = "fail") -> tupl
     return engine, worker
 
 
-@pytest.fixture
-def pair(model: Any) -> Iterator[tuple[LLMEngine, LLMEngine, NixlWorker]]:
+@contextlib.contextmanager
+def connected_pair(model: Any) -> Iterator[tuple[LLMEngine, LLMEngine, NixlWorker]]:
+    """P and D engines of `model`, each with its real NIXL worker (shut down on exit)."""
     p, p_worker = engine_for("P", model, P_KERNEL)
     d, d_worker = engine_for("D", model, D_KERNEL)
     try:
@@ -71,6 +75,12 @@ def pair(model: Any) -> Iterator[tuple[LLMEngine, LLMEngine, NixlWorker]]:
     finally:
         d_worker.shutdown()
         p_worker.shutdown()
+
+
+@pytest.fixture
+def pair(model: Any) -> Iterator[tuple[LLMEngine, LLMEngine, NixlWorker]]:
+    with connected_pair(model) as engines:
+        yield engines
 
 
 def layerwise_params(p: LLMEngine, p_request_id: str) -> dict[str, Any]:
@@ -162,15 +172,8 @@ def test_layerwise_d_pages_equal_p_pages(pair: tuple[LLMEngine, LLMEngine, NixlW
     tokens = [t for out in outputs["d1"] for t in out.new_token_ids]
     moved = outputs["d1"][0].kv_bytes
     assert moved == sum(w.nbytes for w in writes), "D's figure is what P wrote"
-    plain = LLMEngine(model, NUM_BLOCKS, BLOCK, P_KERNEL)
-    plain.add_request("c1", prompt, SamplingParams(max_tokens=6))
-    reference: dict[str, list[RequestOutput]] = {}
-    run_until([plain], lambda: not plain.has_unfinished(), reference)
-    assert tokens == [t for out in reference["c1"] for t in out.new_token_ids]
-    for engine in (p, d):
-        engine.check_integrity()
-        assert engine.stats()["free_blocks"] == [NUM_BLOCKS] * len(engine.pools)
-        assert engine.stats()["connector"]["leases"] == 0
+    assert tokens == plain_answer(model, prompt, 6)
+    assert_idle([p, d])
 
 
 @pytest.fixture
@@ -178,13 +181,8 @@ def hybrid_pair() -> Iterator[tuple[LLMEngine, LLMEngine, NixlWorker]]:
     from kvlink.engine.models import load_model
 
     model, _ = load_model("tiny-hybrid", progress=lambda line: None)
-    p, p_worker = engine_for("P", model, P_KERNEL)
-    d, d_worker = engine_for("D", model, D_KERNEL)
-    try:
-        yield p, d, p_worker
-    finally:
-        d_worker.shutdown()
-        p_worker.shutdown()
+    with connected_pair(model) as engines:
+        yield engines
 
 
 def test_layerwise_for_another_prompt_writes_nothing(hybrid_pair: tuple[LLMEngine, LLMEngine, NixlWorker]) -> None:
@@ -211,6 +209,4 @@ def test_layerwise_for_another_prompt_writes_nothing(hybrid_pair: tuple[LLMEngin
     (failure,) = [o for o in outputs["d1"] if o.finished]
     assert failure.error_kind == "kv_load_stalled", failure
     run_until([d, p], lambda: not d.has_unfinished() and not p.has_unfinished(), outputs)
-    for engine in (p, d):
-        engine.check_integrity()
-        assert engine.stats()["free_blocks"] == [NUM_BLOCKS] * len(engine.pools)
+    assert_idle([p, d])

@@ -202,7 +202,7 @@ SETTINGS = settings(max_examples=12, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
 
 
-def _scenario(data: st.DataObject, model: ModelSpec, p_tp: int, d_tp: int) -> None:
+def _scenario(data: st.DataObject, model: ModelSpec, p_tp: int, d_tp: int, layerwise: bool = False) -> None:
     p, d = data.draw(sides(p_tp), "P"), data.draw(sides(d_tp), "D")
     if not _valid(model, p, d):
         event("refused")
@@ -210,7 +210,7 @@ def _scenario(data: st.DataObject, model: ModelSpec, p_tp: int, d_tp: int) -> No
     event("same kernel blocks" if p.kernel_block_size == d.kernel_block_size else "chunked")
     shipped = data.draw(st.integers(0, 300), "shipped")
     prefix_blocks = data.draw(st.integers(0, shipped // d.block_size), "prefix blocks")
-    run_scenario(model, p, d, shipped, prefix_blocks, data.draw(st.integers(0, 2**16), "seed"))
+    run_scenario(model, p, d, shipped, prefix_blocks, data.draw(st.integers(0, 2**16), "seed"), layerwise=layerwise)
 
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), TP_PAIRS)
@@ -228,13 +228,7 @@ def test_transfer_is_byte_exact(mix: str, p_tp: int, d_tp: int, data: st.DataObj
 def test_layerwise_parts_are_byte_exact(mix: str, p_tp: int, d_tp: int, data: st.DataObject) -> None:
     """Token ranges x layers, posted in any order, write every destination byte once and
     rebuild exactly what one whole-request transfer does."""
-    model = data.draw(models(mix), "model")
-    p, d = data.draw(sides(p_tp), "P"), data.draw(sides(d_tp), "D")
-    if not _valid(model, p, d):
-        return
-    shipped = data.draw(st.integers(0, 300), "shipped")
-    prefix_blocks = data.draw(st.integers(0, shipped // d.block_size), "prefix blocks")
-    run_scenario(model, p, d, shipped, prefix_blocks, data.draw(st.integers(0, 2**16), "seed"), layerwise=True)
+    _scenario(data, data.draw(models(mix), "model"), p_tp, d_tp, layerwise=True)
 
 
 def test_layerwise_range_must_sit_on_chunks() -> None:

@@ -9,7 +9,7 @@ the SSM state) with `pushed`. Parts never overlap, so no byte of D's is written 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,6 @@ class LayerProgress:
     failed: bool = False
     writes: int = 0
     bytes: int = 0
-    layer_writes: dict[int, int] = field(default_factory=dict)
 
     @classmethod
     def start(cls, num_layers: int) -> LayerProgress:

@@ -184,6 +184,11 @@ class PushWriter:
             del self.stream_keys[stream.key]
         self.streaming.pop(request_id, None)
 
+    def waiting_for_d(self, request_id: str | None = None) -> bool:
+        """A layerwise request (any, when None) still prefilling that no D has asked for yet."""
+        rids = self.streams if request_id is None else ([request_id] if request_id in self.streams else [])
+        return any(not self.streaming.get(rid) and rid not in self.held_blocks for rid in rids)
+
     def resolve(self, request_id: str) -> str:
         """P's own id of the request a layerwise D names by its key (else `request_id`)."""
         return self.stream_keys.get(request_id, request_id)
@@ -194,7 +199,7 @@ class PushWriter:
     def save_kv_layer(self, request_id: str, layer: int, computed: int, tables: list[Any]) -> None:
         """After `layer` of a forward of `request_id`: WRITE that layer's chunks that are now
         complete to every D rank that asked, if their connection is ready."""
-        if request_id in self.streams and not self.streaming.get(request_id) and self.take_requests is not None:
+        if self.take_requests is not None and self.waiting_for_d(request_id):
             # D's push request may have come in since this forward began (P and D got the
             # request at once, and one forward can be the whole prefill): look, between layers.
             self.take_requests()

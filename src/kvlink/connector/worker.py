@@ -161,7 +161,7 @@ class NixlWorker(ConnectorWorker):
         self._waiting += [("notify", e) for e in metadata.notify_only]
         self._waiting += [("heartbeat", e) for e in metadata.heartbeats if self.directory.known(e)]
         self._advance()
-        if metadata.streams or (self.push is not None and self.push.streams):
+        if self.push is not None and self.push.waiting_for_d():
             # Layerwise: a push request that came in since the last poll must be attached
             # before this step's forward, or that forward's layers leave only at its end.
             self._take_push_requests()

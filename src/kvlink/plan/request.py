@@ -187,6 +187,18 @@ def _state_blocks(plan: PreparedPlan, g: int, local_ids: IntArray, remote_ids: I
     return int(local_block[0]), int(remote_block[0])
 
 
+def _of_layers(layers: IntArray | None, entry_layers: IntArray, local_starts: IntArray, remote_starts: IntArray,
+               entry_bytes: IntArray, total_bytes: int) -> tuple[IntArray, IntArray, int] | None:
+    """A segment's region starts (and bytes per unit) kept for `layers` (all when None);
+    None when it has none of them."""
+    if layers is None:
+        return local_starts, remote_starts, total_bytes
+    mask = np.isin(entry_layers, layers)
+    if not mask.any():
+        return None
+    return local_starts[mask], remote_starts[mask], int(entry_bytes[mask].sum())
+
+
 def _source_read(source: SourcePlan, positions: dict[int, _ChunkPositions],
                  state_blocks: dict[int, tuple[int, int]], num_groups: int,
                  layers: IntArray | None = None) -> ReadSpec:
@@ -198,13 +210,11 @@ def _source_read(source: SourcePlan, positions: dict[int, _ChunkPositions],
         pos = positions.get(seg.group)
         if pos is None:
             continue
-        local_starts, remote_starts, chunk_bytes = seg.local_region_starts, seg.remote_region_starts, seg.chunk_bytes
-        if layers is not None:
-            mask = np.isin(seg.layers, layers)
-            if not mask.any():
-                continue
-            local_starts, remote_starts = local_starts[mask], remote_starts[mask]
-            chunk_bytes = int(seg.region_chunk_bytes[mask].sum())
+        picked = _of_layers(layers, seg.layers, seg.local_region_starts, seg.remote_region_starts,
+                            seg.region_chunk_bytes, seg.chunk_bytes)
+        if picked is None:
+            continue
+        local_starts, remote_starts, chunk_bytes = picked
         local_offsets, remote_offsets = _segment_offsets(seg, pos)
         local_parts.append((local_starts, local_offsets))
         remote_parts.append((remote_starts, remote_offsets))
@@ -214,13 +224,10 @@ def _source_read(source: SourcePlan, positions: dict[int, _ChunkPositions],
         if ssm.group not in state_blocks:
             continue
         local_block, remote_block = state_blocks[ssm.group]
-        local_starts, remote_starts, block_bytes = ssm.local_starts, ssm.remote_starts, ssm.block_bytes
-        if layers is not None:
-            mask = np.isin(ssm.layers, layers)
-            if not mask.any():
-                continue
-            local_starts, remote_starts = local_starts[mask], remote_starts[mask]
-            block_bytes = int(ssm.piece_bytes[mask].sum())
+        picked = _of_layers(layers, ssm.layers, ssm.local_starts, ssm.remote_starts, ssm.piece_bytes, ssm.block_bytes)
+        if picked is None:
+            continue
+        local_starts, remote_starts, block_bytes = picked
         local_parts.append((local_starts, np.array([local_block], dtype=np.int64)))
         remote_parts.append((remote_starts, np.array([remote_block], dtype=np.int64)))
         touched[ssm.group] = np.array([local_block], dtype=np.int64)
