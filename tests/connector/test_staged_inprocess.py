@@ -194,3 +194,19 @@ def test_staging_slots_of_a_stalled_read_stay_out_of_use_until_the_quarantine_en
         assert pool.pages.shape == (2, 4, 3, 2 * 32 * 64) and pool.pages.flags.writeable
     with pytest.raises(ValueError, match="raise staging_mib"), NixlAgent("staging-small") as agent:
         StagingPool(mem.geometry, 32, page - 1, agent)
+
+
+def test_layerwise_between_kernel_block_sizes_fails_at_once_naming_why() -> None:
+    """P cannot WRITE whole pages of one kernel block size into pages of another in this
+    order: a layerwise load fails at once (not at its deadline), saying what to send instead."""
+    pair = Pair(32, 128)
+    try:
+        req = pair.request("lw", 200, mode="layerwise")
+        req["entry"].update(remote_block_ids=[[]], prompt_hash="h")
+        pair.d.start_load_kv(StepMetadata(loads=[req["entry"]]))
+        outs = poll_until([pair.d, pair.p], lambda o: _finished(o, {"lw"}), timeout_s=10)
+        failure = next(o.load_failures["lw"] for o in outs if "lw" in o.load_failures)
+        assert "needs staged reads; send it as pull or push" in failure.reason
+        assert pair.d.get_stats()["counters"]["refused_layerwise_total"] == 1
+    finally:
+        pair.close()

@@ -256,3 +256,17 @@ def test_proxy_cli_serves_health_and_stops_on_sigterm() -> None:
             process.kill()
             process.wait(5)
             pytest.fail("the proxy ignored SIGTERM for 10s")
+
+
+def test_p_gets_the_mode_a_client_asks_for() -> None:
+    """pull / push from the client's kv_transfer_params reach P (its default otherwise);
+    layerwise tells P which key D will ask by."""
+    from kvlink.serve.proxy import layerwise_prefill_body, prefill_body, wants_layerwise
+
+    body = {"prompt": "x", "max_tokens": 9, "stream": True, "kv_transfer_params": {"transfer_mode": "push"}}
+    assert prefill_body(body)["kv_transfer_params"] == {"do_remote_decode": True, "transfer_mode": "push"}
+    assert prefill_body({"prompt": "x"})["kv_transfer_params"] == {"do_remote_decode": True}
+    assert layerwise_prefill_body(body, "k1")["kv_transfer_params"] == {
+        "do_remote_decode": True, "transfer_mode": "layerwise", "layerwise_id": "k1"}
+    assert wants_layerwise({"kv_transfer_params": {"transfer_mode": "layerwise"}}, "classic")
+    assert wants_layerwise({}, "layerwise") and not wants_layerwise(body, "layerwise")

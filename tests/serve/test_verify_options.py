@@ -102,3 +102,11 @@ def test_tp_ranks_merge_into_one_engines_figures() -> None:
     assert "# TYPE kvlink_pending_sends gauge\nkvlink_pending_sends 2\n" in text
     assert 'kvlink_handshakes_total{remote_engine="P-a"} 2' in text
     assert "kvlink_kv_checksum_mismatch_total 1" in text
+
+
+def test_kv_host_sets_the_side_channel_address_apart_from_http(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A D whose HTTP and KV networks differ (two hosts) advertises the KV one to P."""
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    base = ["serve", "--role", "decode", "--insecure-unsigned-params", "--host", "10.0.2.2"]
+    assert _connector_config(parse_args(base)).side_channel_host == "10.0.2.2"
+    assert _connector_config(parse_args([*base, "--kv-host", "10.0.0.2"])).side_channel_host == "10.0.0.2"
