@@ -3,6 +3,9 @@ sizes in vLLM's CPU page order; D reads whole P pages into staging and re-lays t
 
 from __future__ import annotations
 
+import itertools
+import time
+
 import numpy as np
 import pytest
 import sim
@@ -24,7 +27,7 @@ def _model(layers: int) -> ModelSpec:
 
 class Pair:
     def __init__(self, p_kbs: int, d_kbs: int, layers: int = 4, staging_mib: int = 256,
-                 p_blocks: int = 64, d_blocks: int = 64) -> None:
+                 p_blocks: int = 64, d_blocks: int = 64, **d_config: float) -> None:
         self.model = _model(layers)
         self.p_kbs, self.d_kbs = p_kbs, d_kbs
         self.p_mem = real_worker(self.model, 1, 0, p_kbs, p_kbs, p_blocks, seed=1, page_order=ORDER)
@@ -32,7 +35,7 @@ class Pair:
         self.p = NixlWorker(ConnectorConfig("P", side_channel_port=0), self.model, 1, 0, p_kbs, p_kbs,
                             p_blocks, page_order=ORDER)
         self.d = NixlWorker(ConnectorConfig("D", side_channel_port=0, staging_mib=staging_mib,
-                                            stall_timeout_s=3.0), self.model, 1, 0, d_kbs, d_kbs,
+                                            stall_timeout_s=3.0, **d_config), self.model, 1, 0, d_kbs, d_kbs,
                             d_blocks, page_order=ORDER)
         self.p.register_kv_caches(*region_sizes(self.p_mem))
         self.d.register_kv_caches(*region_sizes(self.d_mem))
@@ -45,7 +48,7 @@ class Pair:
         self.p.shutdown()
 
     def request(self, rid: str, shipped: int, computed: int = 0, mode: str = "pull",
-                p_ids: np.ndarray | None = None, d_ids: np.ndarray | None = None) -> dict:
+                p_ids: np.ndarray | None = None, d_ids: np.ndarray | None = None, save: bool = True) -> dict:
         prompt = shipped + 1
         if p_ids is None:
             p_ids = np.array([self.free_p.pop() for _ in range(-(-prompt // self.p_kbs))], dtype=np.int64)
@@ -53,7 +56,8 @@ class Pair:
             d_ids = np.array([self.free_d.pop() for _ in range(-(-prompt // self.d_kbs))], dtype=np.int64)
         logical = sim.make_logical(self.model, shipped, self.rng)
         sim.store(self.p_mem, logical, [p_ids], [np.arange(shipped)])
-        self.p.start_load_kv(StepMetadata(saves=[{"request_id": f"p-{rid}", "block_ids": [p_ids.tolist()]}]))
+        if save:
+            self.p.start_load_kv(StepMetadata(saves=[{"request_id": f"p-{rid}", "block_ids": [p_ids.tolist()]}]))
         tail = d_ids[computed // self.d_kbs:]
         assert computed % self.d_kbs == 0
         return {
@@ -64,7 +68,7 @@ class Pair:
                 "local_block_ids": [d_ids.tolist()], "local_computed_tokens": computed,
                 "num_tokens": shipped,
             },
-            "logical": logical, "tail": tail, "shipped": shipped, "computed": computed,
+            "logical": logical, "tail": tail, "shipped": shipped, "computed": computed, "p_ids": p_ids,
         }
 
     def check(self, req: dict) -> None:
@@ -196,17 +200,71 @@ def test_staging_slots_of_a_stalled_read_stay_out_of_use_until_the_quarantine_en
         StagingPool(mem.geometry, 32, page - 1, agent)
 
 
-def test_layerwise_between_kernel_block_sizes_fails_at_once_naming_why() -> None:
-    """P cannot WRITE whole pages of one kernel block size into pages of another in this
-    order: a layerwise load fails at once (not at its deadline), saying what to send instead."""
-    pair = Pair(32, 128)
+@pytest.mark.parametrize(("p_kbs", "d_kbs", "computed", "forwards"),
+                         [(32, 128, 0, (90, 200)), (128, 32, 64, (130, 200)), (32, 128, 128, (200,))])
+def test_layerwise_between_kernel_block_sizes_writes_whole_pages_into_staging(
+        p_kbs: int, d_kbs: int, computed: int, forwards: tuple[int, ...]) -> None:
+    """D asks first; P WRITEs each layer's whole P pages into D's staging pages as its
+    forwards (a chunked prefill: `forwards` are the tokens computed after each) produce
+    them, then the rest with `pushed`; D re-lays the staging pages out into its own. D's
+    bytes equal P's, only D's blocks change, and the staging slots and P's lease are freed."""
+    pair = Pair(p_kbs, d_kbs, layers=4)
     try:
-        req = pair.request("lw", 200, mode="layerwise")
+        req = pair.request("lw", 200, computed=computed, mode="layerwise", save=False)
         req["entry"].update(remote_block_ids=[[]], prompt_hash="h")
+        before = pair.d_mem.data.copy()
+        pair.p.start_load_kv(StepMetadata(streams=[{"request_id": "p-lw", "prompt_hash": "h", "num_tokens": 200}]))
         pair.d.start_load_kv(StepMetadata(loads=[req["entry"]]))
-        outs = poll_until([pair.d, pair.p], lambda o: _finished(o, {"lw"}), timeout_s=10)
+        poll_until([pair.d, pair.p], lambda o: bool(pair.p.push.streaming.get("p-lw")))
+        (job,) = pair.p.push.streaming["p-lw"]
+        table = [req["p_ids"].tolist()]
+        sent = []
+        for end in forwards:  # P's memory already holds every token: the forwards only report
+            for layer in range(4):
+                pair.p.push.save_kv_layer("p-lw", layer, end, table)
+            assert job.layers is not None and not job.layers.failed
+            sent.append(job.layers.bytes)
+        pair.p.start_load_kv(StepMetadata(saves=[{"request_id": "p-lw", "block_ids": table}]))
+        outs = poll_until([pair.d, pair.p], lambda o: _finished(o, {"lw"})
+                          and "p-lw" in set().union(*(x.finished_sending for x in o)))
+        assert not any(o.failed_recving for o in outs), [o.load_failures for o in outs]
+        pair.check(req)
+        outside = ~sim.destination_mask(pair.d_mem, [req["tail"]])
+        assert np.array_equal(pair.d_mem.data[outside], before[outside]), "bytes outside D's blocks changed"
+        figures = {rid: f for o in outs for rid, f in o.transfer_figures.items()}["lw"]
+        assert "kv_relayout_s" in figures
+        page = 3 * 2 * 64 * 4 * 4 * p_kbs  # one P page over the 4 layers
+        first = computed // p_kbs * p_kbs
+        assert figures["kv_bytes"] == -(-(200 - first) // p_kbs) * page  # whole P pages from the hit on
+        assert sent[-1] == figures["kv_bytes"], "the last forward's layers carried the rest"
+        assert all(0 < a < b for a, b in itertools.pairwise(sent)), sent  # chunk by chunk
+        (pool,) = pair.d._staging.values()
+        assert pool.free == pool.slots, "staging slots not given back"
+        counters = pair.d.get_stats()["counters"]
+        assert counters["staged_loads_total"] == 1
+        assert not pair.p.leases.leases and not pair.d.has_inflight()
+    finally:
+        pair.close()
+
+
+def test_layerwise_staging_for_another_prompt_gets_nothing_and_its_slots_wait_out_the_quarantine() -> None:
+    """A D whose prompt is not the one P prefills: P writes nothing into its staging pages,
+    D fails at its deadline, and those pages stay out of use for the quarantine time (P could
+    still be writing) before they return."""
+    pair = Pair(32, 128, quarantine_s=0.5, layerwise_wait_s=0.001)
+    try:
+        req = pair.request("lw", 200, mode="layerwise", save=False)
+        req["entry"].update(remote_block_ids=[[]], prompt_hash="not-p's")
+        pair.p.start_load_kv(StepMetadata(streams=[{"request_id": "p-lw", "prompt_hash": "h", "num_tokens": 200}]))
+        pair.d.start_load_kv(StepMetadata(loads=[req["entry"]]))
+        outs = poll_until([pair.d, pair.p], lambda o: _finished(o, {"lw"}), timeout_s=15)
         failure = next(o.load_failures["lw"] for o in outs if "lw" in o.load_failures)
-        assert "needs staged reads; send it as pull or push" in failure.reason
-        assert pair.d.get_stats()["counters"]["refused_layerwise_total"] == 1
+        assert failure.stalled and "no push completion" in failure.reason
+        assert pair.p.get_stats()["counters"]["refused_push_requests_total"] == 1
+        assert not pair.p.push.streaming.get("p-lw")
+        (pool,) = pair.d._staging.values()
+        assert pool.take(pool.slots, pair.d.clock()) is None, "slots reused inside the quarantine"
+        time.sleep(0.6)
+        assert pool.take(pool.slots, pair.d.clock()) is not None
     finally:
         pair.close()

@@ -51,6 +51,7 @@ PROMPTS = [
     "Once upon a time, " + " ".join(SENTENCE.format(i) for i in range(200, 236)),
 ]
 PAGE_BYTES_PER_TOKEN = 30 * 3 * 2 * 64 * 4  # SmolLM2: 30 layers, 3 KV heads, K and V of 64, fp32
+LAYERWISE_STAGED = [0, 1, 3]  # the first goes the classic way (the proxy learns P's side channel)
 # D checks what it loads against P's digests (verify_kv's default, sample): units found equal.
 VERIFIED = "vllm:kvlink_kv_verified_units_total"
 
@@ -125,6 +126,7 @@ def reference_prompts() -> list[str]:
     prompts += ["(prefix) " + PROMPTS[3], "(frozen, recompute) " + PROMPTS[2], "(killed, recompute) " + PROMPTS[1]]
     prompts += ["(frozen) " + PROMPTS[2], "(frozen push, recompute) " + PROMPTS[1]]
     prompts += [f"(layerwise) {p}" for p in PROMPTS]
+    prompts += [f"(layerwise {tag}) {PROMPTS[i]}" for tag in ("32->128", "128->32") for i in LAYERWISE_STAGED]
     return prompts
 
 
@@ -284,44 +286,68 @@ def test_behind_a_router(pd: PD, colocated: Colocated, kind: str, tmp_path: Path
         stop_all([router])
 
 
-def test_layerwise_through_kvlink_proxy_equals_colocated(pd: PD, colocated: Colocated, tmp_path: Path) -> None:
-    """`kvlink proxy --mode layerwise` in front of vLLM P and D: vLLM P has no /v1/kv_endpoint,
-    so the proxy sends the first request the classic way and learns P's side channel from
-    its params; after that P and D get each request at once, D asks P, and P WRITEs each
-    attention layer's finished blocks from vLLM's `save_kv_layer` (the rest with `pushed`).
-    Every answer equals colocated vLLM's, and D read nothing of the layerwise ones."""
+def layerwise_via_proxy(pd: PD, colocated: Colocated, p: Service, d: Service, tag: str,
+                        indices: list[int], tmp_path: Path) -> list[float]:
+    """Ask `kvlink proxy --mode layerwise` in front of P and D for `({tag}) PROMPTS[i]`; every
+    answer equals colocated vLLM's, and D read nothing of the layerwise ones (all but the
+    first: vLLM P has no /v1/kv_endpoint, the proxy learns P's side channel from a classic
+    answer). P's WRITEs per layerwise request."""
     port = free_port()
-    router = start_process("router-layerwise", router_argv("kvlink", [pd.a.url], [pd.b.url], port, 60.0,
+    router = start_process("router-layerwise", router_argv("kvlink", [p.url], [d.url], port, 60.0,
                                                           extra_args=["--mode", "layerwise"]),
                            f"http://127.0.0.1:{port}", tmp_path)
     try:
         wait_healthy([router], 60)
         writes = []
-        for index, tail in enumerate(PROMPTS):
-            prompt = "(layerwise) " + tail
-            read_before = vllm_metric(pd.b, "vllm:kvlink_bytes_transferred_count")
-            wrote_before = vllm_metric(pd.a, "vllm:kvlink_bytes_transferred_count")
+        for n, index in enumerate(indices):
+            prompt = f"({tag}) " + PROMPTS[index]
+            read_before = vllm_metric(d, "vllm:kvlink_bytes_transferred_count")
+            wrote_before = vllm_metric(p, "vllm:kvlink_bytes_transferred_count")
             resp = httpx.post(router.url + "/v1/completions", timeout=60, json={
                 "model": pd.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
                 "ignore_eos": True})
             assert resp.status_code == 200, resp.text + router.log_tail()
             assert resp.json()["choices"][0]["text"] == colocated(prompt)
             deadline = time.monotonic() + 5
-            while vllm_metric(pd.a, "vllm:kvlink_bytes_transferred_count") == wrote_before and index:
+            while vllm_metric(p, "vllm:kvlink_bytes_transferred_count") == wrote_before and n:
                 assert time.monotonic() < deadline, "P wrote nothing for a layerwise request"
                 time.sleep(0.1)
-            if index:  # the first one went the classic way (pull): D read it
-                assert vllm_metric(pd.b, "vllm:kvlink_bytes_transferred_count") == read_before
-            writes.append(vllm_metric(pd.a, "vllm:kvlink_bytes_transferred_count") - wrote_before)
-        print(f"P's WRITEs per layerwise request: {writes[1:]}")
-        # One WRITE per attention layer while P's forward runs, when D asked before it ended
-        # (it may ask later, under load: then one WRITE after the prefill, still exact).
-        assert max(writes[1:]) > 1, f"P never wrote during a forward: {writes[1:]}"
+            if n:  # the first one went the classic way (pull): D read it
+                assert vllm_metric(d, "vllm:kvlink_bytes_transferred_count") == read_before
+            writes.append(vllm_metric(p, "vllm:kvlink_bytes_transferred_count") - wrote_before)
         log = router.log_tail()
         assert "has no /v1/kv_endpoint" in (tmp_path / "router-layerwise.log").read_text(errors="replace"), log
     finally:
         stop_all([router])
+    print(f"P's WRITEs per layerwise request ({tag}): {writes[1:]}")
+    return writes[1:]
+
+
+def test_layerwise_through_kvlink_proxy_equals_colocated(pd: PD, colocated: Colocated, tmp_path: Path) -> None:
+    """`kvlink proxy --mode layerwise` in front of vLLM P and D: D asks P, and P WRITEs each
+    attention layer's finished blocks from vLLM's `save_kv_layer` (the rest with `pushed`)."""
+    writes = layerwise_via_proxy(pd, colocated, pd.a, pd.b, "layerwise", list(range(len(PROMPTS))), tmp_path)
+    # One WRITE per attention layer while P's forward runs, when D asked before it ended
+    # (it may ask later, under load: then one WRITE after the prefill, still exact).
+    assert max(writes) > 1, f"P never wrote during a forward: {writes}"
     for name, server in (("a", pd.a), ("b", pd.b)):
+        wait_idle(pd, server, name, 20)
+
+
+# Between block sizes P WRITEs whole P blocks into D's staging pages, layer by layer, and D
+# re-lays them out once P says `pushed` (as after a staged pull).
+@pytest.mark.parametrize("direction", ["32->128", "128->32"])
+def test_layerwise_between_block_sizes_equals_colocated(pd: PD, colocated: Colocated, direction: str,
+                                                        tmp_path: Path) -> None:
+    p, d, names = (pd.c, pd.b, ("c", "b")) if direction == "32->128" else (pd.a, pd.e, ("a", "e"))
+    staged = worker_counter(pd, names[1], "staged_loads_total")
+    writes = layerwise_via_proxy(pd, colocated, p, d, f"layerwise {direction}", LAYERWISE_STAGED, tmp_path)
+    assert max(writes) > 1, f"P never wrote during a forward: {writes}"
+    deadline = time.monotonic() + 5  # the worker's counters reach its /metrics with the next step
+    while worker_counter(pd, names[1], "staged_loads_total") < staged + len(LAYERWISE_STAGED):
+        assert time.monotonic() < deadline, "D did not load every request through its staging pages"
+        time.sleep(0.1)
+    for name, server in zip(names, (p, d), strict=True):
         wait_idle(pd, server, name, 20)
 
 

@@ -230,7 +230,7 @@ class PullReader:
         if load.check is not None and not self._checked(load):
             return
         if load.pushes_expected:
-            complete_push(w.book, w.out, load, w.clock())
+            self.finish_push(load)
             return
         w.book.finish(load.request_id)
         relayout_s = self.relayout(load)
@@ -296,7 +296,7 @@ class PullReader:
         """Push mode: every source wrote; read their digest slices, then judge the load."""
         engine = self.engines.get(load.entry["remote_engine_id"])
         if engine is None or not self.will_check(engine, load.entry):
-            complete_push(self.worker.book, self.worker.out, load, self.worker.clock())
+            self.finish_push(load)
             return
         assert engine.plan is not None
         load.dones = [(None, name, encode(Done(load.entry["remote_request_id"], engine.expected[rank]),
@@ -309,7 +309,7 @@ class PullReader:
             self.rejected(load, "no free KV digest slots to check the pushed KV")
             return
         if load.check is None:
-            complete_push(self.worker.book, self.worker.out, load, self.worker.clock())
+            self.finish_push(load)
             self.send_dones(load, engine)
             return
         load.check.reread_at = self.worker.clock()
@@ -328,6 +328,14 @@ class PullReader:
                 self.failed(load, engine, reason)
             else:
                 self.maybe_complete(load)
+
+    def finish_push(self, load: Load) -> None:
+        """Every source pushed and the check, if any, passed: a staged (layerwise) load is
+        re-laid out from its staging pages into ours, then the request may run."""
+        relayout_s = self.relayout(load)
+        complete_push(self.worker.book, self.worker.out, load, self.worker.clock())
+        if relayout_s is not None:
+            self.worker.out.transfer_figures[load.request_id]["kv_relayout_s"] = relayout_s
 
     def relayout(self, load: Load) -> float | None:
         """Copy a staged load's tokens into our pages and give its slots back; seconds taken."""

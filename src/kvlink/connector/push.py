@@ -25,6 +25,7 @@ from kvlink.connector.worker_parts import WorkerParts
 from kvlink.layout.geometry import WorkerGeometry
 from kvlink.layout.spec import is_ssm
 from kvlink.plan.request import ReadSpec
+from kvlink.plan.staged import StagedRequest
 from kvlink.transfer.agent import NixlAgent
 from kvlink.transfer.inflight import InflightTracker
 from kvlink.transfer.xfer import Transfer, TransferFailed
@@ -72,21 +73,37 @@ class PushWriter:
         # and whether a load will be checked (then its sources wait for our `done` to free)
         self.on_all_pushed: Callable[[Load], None] = self.complete
         self.will_check: Callable[[RemoteEngine, dict[str, Any]], bool] = lambda engine, entry: False
+        # D side, staged layerwise: staging slots and the staged request (the pull reader's)
+        self.stage: Callable[[RemoteEngine, dict[str, Any]], StagedRequest | None] = lambda engine, entry: None
 
     # ---- D side -------------------------------------------------------------------------
-    def request_push(self, engine: RemoteEngine, entry: dict[str, Any]) -> None:
+    def request_push(self, engine: RemoteEngine, entry: dict[str, Any]) -> bool:
+        """Ask every source rank to write the load; False while it waits (staging slots)."""
         w = self.worker
         now = w.clock()
         assert engine.plan is not None
         layerwise = entry.get("transfer_mode") == "layerwise"
+        staged: StagedRequest | None = None
+        target_ids, target_computed = entry["local_block_ids"], entry["local_computed_tokens"]
         try:  # what the sources will write: checks the ids now, and gives the request's figures
-            specs = engine.plan.request_ids(entry["local_block_ids"], _p_ids_for_figures(engine, entry),
-                                            entry["num_tokens"], entry["local_computed_tokens"])
-        except (ValueError, KeyError) as exc:
+            if engine.staged is not None:  # layerwise only: P writes whole pages into staging
+                staged = self.stage(engine, {**entry, "remote_block_ids": _p_ids_for_figures(engine, entry)})
+                if staged is None:
+                    return entry["request_id"] in w.out.failed_recving
+                specs = staged.specs
+                k = engine.staged.stage_tokens
+                target_ids, target_computed = [list(staged.slots)], int(entry["local_computed_tokens"]) // k * k
+            else:
+                specs = engine.plan.request_ids(entry["local_block_ids"], _p_ids_for_figures(engine, entry),
+                                                entry["num_tokens"], entry["local_computed_tokens"])
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
             w.fail_request(entry["request_id"], _blocks(entry), f"cannot plan request: {exc}", bad_params=True)
-            return
+            return True
         sources = engine.plan.mapping.source_ranks
         load = w.book.start(entry["request_id"], entry, _blocks(entry), now)
+        if staged is not None:
+            assert engine.pool is not None
+            load.staging = (engine.pool, staged)
         load.pushes_expected = len(sources)
         load.push_bytes = sum(spec.nbytes for spec in specs)
         load.push_descriptors = sum(len(spec.local_idx) for spec in specs)
@@ -99,8 +116,8 @@ class PushWriter:
             info = {
                 "d_request_id": entry["request_id"], "d_engine_id": w.config.engine_id,
                 "d_host": w.config.side_channel_host, "d_port": self.side_channel_base,
-                "d_rank": self.geometry.tp_rank, "local_block_ids": entry["local_block_ids"],
-                "local_computed_tokens": entry["local_computed_tokens"],
+                "d_rank": self.geometry.tp_rank, "local_block_ids": target_ids,
+                "local_computed_tokens": target_computed,
                 "num_tokens": entry["num_tokens"], "expected": engine.expected[rank],
                 # wall clock, as kv_expires_at_ms: past it D has given up and P must not write
                 "d_deadline_ms": int((time.time() + load.deadline - now) * 1000),
@@ -109,14 +126,17 @@ class PushWriter:
             }
             if layerwise:  # P writes as it prefills, and only for the prompt it prefills
                 info.update(layerwise=True, prompt_hash=entry["prompt_hash"])
+            if staged is not None:  # the ids are staging pages of P's kernel block size
+                info["staging"] = engine.pool.kernel_block_size if engine.pool is not None else 0
             try:
                 w.send_or_raise(name, encode(PushRequest(entry["remote_request_id"], info), w.secret), engine)
             except TransferFailed as exc:
                 if not w.retry_after_handshake(engine.engine_id, entry, f"push request not sent ({exc.reason})"):
                     w.stats.count("failed_notifications_total")
                     w.fail_request(entry["request_id"], _blocks(entry), f"cannot ask for the push: {exc.reason}")
-                return
+                return True
         w.notify(engine, entry, "notify", only_extra=True)
+        return True
 
     def on_pushed(self, d_request_id: str, sender: str,
                   remote_block_ids: tuple[tuple[int, ...], ...] | None = None) -> None:
@@ -144,10 +164,14 @@ class PushWriter:
         engine = w.engines.get(load.entry["remote_engine_id"])
         if not any(known) and engine is not None and engine.plan is not None:
             load.entry = {**load.entry, "remote_block_ids": listed}
+            e = load.entry
             try:
-                load.push_specs = engine.plan.request_ids(
-                    load.entry["local_block_ids"], listed, load.entry["num_tokens"],
-                    load.entry["local_computed_tokens"])
+                if load.staging is not None and engine.staged is not None:
+                    load.push_specs = engine.staged.request(e["local_block_ids"], listed, e["num_tokens"],
+                                                            e["local_computed_tokens"], load.staging[1].slots).specs
+                else:
+                    load.push_specs = engine.plan.request_ids(e["local_block_ids"], listed, e["num_tokens"],
+                                                              e["local_computed_tokens"])
             except (ValueError, KeyError) as exc:
                 w.fail_request(load.request_id, load.blocks, f"P named blocks that cannot hold the request: {exc}")
                 return False
@@ -322,6 +346,13 @@ class PushWriter:
                 if not self.handshakes.pending(key):
                     self.handshakes.request(key, host, port, d_engine, [d_rank])
                 return False
+            if int(info.get("staging") or 0) != reader.staged_tokens:
+                # D's ids are of another space than our plan writes into: never guess which
+                self.worker.stats.count("refused_push_requests_total")
+                log.warning("push request for %s refused: D names %s, our plan for it writes into %s",
+                            rid, _space(int(info.get("staging") or 0)), _space(reader.staged_tokens))
+                self._unstream(job)
+                return True
             if job.layerwise and stream is None:  # not here yet, or not a layerwise request here
                 return False
             assert reader.plan is not None
@@ -440,6 +471,10 @@ class PushWriter:
         self.handshakes.shutdown()
         for d_engine, d_rank in list(self.readers):
             self._drop_reader(d_engine, d_rank)
+
+
+def _space(staging_tokens: int) -> str:
+    return f"staging pages of {staging_tokens} tokens" if staging_tokens else "its own blocks"
 
 
 def _for_reader(job: _Job, d_engine: str, d_rank: int) -> bool:

@@ -18,7 +18,7 @@ from kvlink.connector.digest_table import DigestSlots, table_descs
 from kvlink.layout.digests import DigestGeometry, digest_geometry
 from kvlink.layout.geometry import WorkerGeometry
 from kvlink.plan.compat import IncompatibleLayout, check_compatible
-from kvlink.plan.staged import StagedPlan, build_staged_plan, needs_staging
+from kvlink.plan.staged import StagedPlan, build_staged_plan, needs_staging, staging_geometry
 from kvlink.plan.tp_mapping import compute_tp_mapping, consumers_per_producer
 from kvlink.plan.transfer_plan import TransferPlan, build_transfer_plan
 from kvlink.transfer.agent import NixlAgent
@@ -76,6 +76,8 @@ class RemoteEngine:
     # `staged.read`, whose local side is the staging area of `pool`.
     staged: StagedPlan | None = None
     pool: StagingPool | None = None
+    # P side (push): the reader's staging pages we write into are of this many tokens; 0: its own
+    staged_tokens: int = 0
     # remote agent name -> its NIXL metadata (for the worker's notification agent)
     metadata: dict[str, bytes] = field(default_factory=dict)
     # source rank -> the slots its digest slices land in (sources that keep a digest table)
@@ -169,15 +171,43 @@ def _sources(local: WorkerGeometry, remote_tp: int, geometries: Mapping[int, Wor
 def connect_writer(
     agent: NixlAgent, local: WorkerGeometry, engine_id: str, reader_rank: int, payload: HandshakePayload,
 ) -> RemoteEngine:
-    """P side (push): we write into one D rank. The plan is the reader's, seen from its source."""
+    """P side (push): we write into one D rank. The plan is the reader's, seen from its source.
+
+    A reader that must re-lay out our pages (`needs_staging`) is written through the staging
+    area it offers for our kernel block size: whole pages, as its staged reads land them."""
     reader = check_payload(payload, local, engine_id)
-    plan = build_transfer_plan(reader, {local.tp_rank: local}, only_sources=[local.tp_rank])
+    target = reader
+    if needs_staging(reader, local):
+        target = writer_staging(reader, payload, local.kernel_block_size)
+    plan = build_transfer_plan(target, {local.tp_rank: local}, only_sources=[local.tp_rank])
     name = agent.add_remote(payload.agent_metadata)
     (source,) = plan.sources
-    handles = {reader_rank: SourceHandles(
-        name, agent.prep_local(source.remote_descs), agent.prep_remote(name, source.local_descs))}
+    local_handle = agent.prep_local(source.remote_descs)
+    try:  # e.g. a staging area outside the memory the reader registered
+        handles = {reader_rank: SourceHandles(name, local_handle, agent.prep_remote(name, source.local_descs))}
+    except Exception:
+        agent.release_dlist(local_handle)
+        agent.remove_remote(name)
+        raise
     return RemoteEngine(engine_id, payload.tp_size, {reader_rank: name}, {reader_rank: reader}, plan,
-                        handles, ())
+                        handles, (), staged_tokens=target.kernel_block_size if target is not reader else 0)
+
+
+def writer_staging(reader: WorkerGeometry, payload: HandshakePayload, kernel_block_size: int) -> WorkerGeometry:
+    """The staging area a reader offers for pages of `kernel_block_size` tokens, as a geometry
+    (the reader's heads and page order, our kernel block size); refused when it offers none."""
+    offered = [area for area in payload.staging if area[0] == kernel_block_size]
+    if not offered:
+        sizes = sorted(area[0] for area in payload.staging)
+        raise IncompatibleLayout([
+            f"reader rank {reader.tp_rank} re-lays out pages of another kernel block size "
+            f"({kernel_block_size} here, {reader.kernel_block_size} there) but offers no staging "
+            f"pages of {kernel_block_size} tokens (it offers {sizes or 'none'})"])
+    _, slots, addrs = offered[0]
+    if slots < 1 or len(addrs) != len(reader.attention_regions):
+        raise IncompatibleLayout([f"reader rank {reader.tp_rank} offers a staging area of {slots} pages "
+                                  f"at {len(addrs)} layers; it has {len(reader.attention_regions)}"])
+    return staging_geometry(reader, kernel_block_size, slots, list(addrs))
 
 
 def release_engine(agent: NixlAgent, engine: RemoteEngine) -> None:

@@ -15,6 +15,8 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import msgspec
+
 from kvlink.connector.api import ConnectorWorker, LoadFailure, StepMetadata, WorkerOutput
 from kvlink.connector.config import ConnectorConfig
 from kvlink.connector.digest_table import DigestSlotPools, DigestTable
@@ -114,11 +116,12 @@ class NixlWorker(ConnectorWorker):
         port = self.config.side_channel_port + self.tp_rank if self.config.side_channel_port else 0
         server = HandshakeServer(self.config.engine_id, host=self.config.side_channel_host,
                                  port=port, secret=self.config.secret)
-        server.set_payload(self.tp_rank, HandshakePayload(
+        self._payload = HandshakePayload(
             version=PROTOCOL_VERSION, engine_id=self.config.engine_id, tp_rank=self.tp_rank,
             tp_size=self.tp_size, compat_hash=self.model.compat_hash(), agent_name=name,
             agent_metadata=agent.metadata(), geometry=encode_geometry(geometry), sent_time=time.time(),
-            digest_table=table.base if table is not None else 0))
+            digest_table=table.base if table is not None else 0)
+        server.set_payload(self.tp_rank, self._payload)
         self.geometry, self.agent, self.server = geometry, agent, server
         if self.config.separate_notifier:
             self.notifier = Notifier(f"{name}-n", self._agent_config)
@@ -130,6 +133,7 @@ class NixlWorker(ConnectorWorker):
         self.pull = PullReader(self, agent, geometry, self.inflight, self.engines, verifier, self.faults)
         self.push = PushWriter(self, agent, geometry, self.inflight, int(server.port) - self.tp_rank)
         self.push.on_all_pushed, self.push.will_check = self.pull.check_pushed, self.pull.will_check
+        self.push.stage = self.pull.stage
         self.push.take_requests = self._take_push_requests
         log.info("kvlink worker %s rank %d/%d: %d regions, %.1f MiB, side channel %s:%d",
                  self.config.engine_id, self.tp_rank, self.tp_size, len(geometry.regions),
@@ -203,17 +207,13 @@ class NixlWorker(ConnectorWorker):
         if engine is None:
             return False
         engine.last_used = self.clock()
-        if kind == "load" and entry.get("transfer_mode") in ("push", "layerwise") and engine.staged is None:
+        mode = entry.get("transfer_mode")
+        if kind == "load" and (mode == "layerwise" or (mode == "push" and engine.staged is None)):
+            # Layerwise between kernel block sizes of a staged page order: P writes whole P
+            # pages into our staging pages as it prefills; we re-lay them out once it pushed.
             assert self.push is not None
             if self.pull.same_incarnation(engine, entry):
-                self.push.request_push(engine, entry)
-        elif kind == "load" and entry.get("transfer_mode") == "layerwise":
-            assert engine.staged is not None
-            self.stats.count("refused_layerwise_total")
-            self.fail_request(entry["request_id"], all_blocks(entry), (
-                "layerwise mode writes P's pages straight into ours, but this page order between "
-                f"kernel blocks of {engine.staged.stage_tokens} (P) and "
-                f"{self.kernel_block_size} (D) tokens needs staged reads; send it as pull or push"))
+                return self.push.request_push(engine, entry)
         elif kind == "load":
             if entry.get("transfer_mode") == "push":
                 # P's WRITE cannot re-layout pages between kernel block sizes: D reads
@@ -249,7 +249,9 @@ class NixlWorker(ConnectorWorker):
             self.book.finish(rid)
             if load.check is not None and self.pull is not None:
                 self.pull.verifier.release(load.check.sources)
-            self.drop_staging(load, quarantine=stalled or any(not t.finished for t in load.transfers))
+            # P may still be writing into the staging pages of a push it has not finished
+            writing = len(load.pushes_seen) < load.pushes_expected
+            self.drop_staging(load, quarantine=stalled or writing or any(not t.finished for t in load.transfers))
         log.warning("request %s failed to load (%d blocks invalid): %s", rid, len(blocks), reason)
         self.out.failed_recving.add(rid)
         self.out.load_failures.setdefault(rid, LoadFailure(reason, bad_params, forbidden, stalled))
@@ -283,10 +285,22 @@ class NixlWorker(ConnectorWorker):
                                self.agent)
             self._staging[remote_kernel_block_size] = pool
             self.memory.add(pool.base, pool.data)
+            self._publish_staging()
             log.info("kvlink worker %s rank %d: %d staging pages of %d tokens (%.1f MiB) for P pages "
                      "of another kernel block size", self.config.engine_id, self.tp_rank, pool.slots,
                      remote_kernel_block_size, pool.capacity_bytes / 2**20)
         return pool
+
+    def _publish_staging(self) -> None:
+        """Offer our staging areas to writers (a layerwise P of another kernel block size
+        WRITEs whole pages into them): their places, and agent metadata that now covers them.
+        A P handshakes with us for a push only after our push request, so after this."""
+        assert self.server is not None and self.agent is not None
+        areas = tuple((k, pool.slots, tuple(r.base for r in pool.geometry.attention_regions))
+                      for k, pool in sorted(self._staging.items()))
+        self._payload = msgspec.structs.replace(self._payload, agent_metadata=self.agent.metadata(),
+                                                staging=areas)
+        self.server.set_payload(self.tp_rank, self._payload)
 
     def drop_staging(self, load: Load, quarantine: bool) -> None:
         """Give a failed or requeued load's staging slots back (after the quarantine time when a

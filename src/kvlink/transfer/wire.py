@@ -39,6 +39,10 @@ class HandshakePayload(msgspec.Struct, frozen=True, tag="payload", forbid_unknow
     # Address of the rank's KV digest table (kvlink.connector.digest_table), laid out from its
     # geometry; 0: it keeps none (verify_kv off).
     digest_table: int = 0
+    # Staging areas a reader rank offers writers whose pages it must re-lay out (layerwise
+    # between kernel block sizes, kvlink.plan.staged): (P kernel block size, pages per layer,
+    # base address of each attention layer's pages).
+    staging: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
 
 
 class HandshakeError(msgspec.Struct, frozen=True, tag="error", forbid_unknown_fields=True):
