@@ -243,6 +243,7 @@ def test_bench_plan_over_the_bound_exits_2() -> None:
     (["serve", "--lease-s", "-1"], "argument --lease-s: expected a number in [0.001, 604800], got -1.0"),
     (["serve", "--stall-timeout-s", "nan"], "argument --stall-timeout-s: expected a number"),
     (["serve", "--log-level", "loud"], "argument --log-level: invalid choice"),
+    (["serve", "--prefill-chunk", "-1"], "argument --prefill-chunk: expected an integer in [0, 16777216], got -1"),
     (["proxy", "--prefill", "ftp://127.0.0.1:1", "--decode", "http://127.0.0.1:2"], "--prefill: expected an http"),
     (["proxy", "--prefill", "http://127.0.0.1:1", "--decode", "http://:2"], "--decode: expected an http"),
     (["proxy", "--prefill", "http://127.0.0.1:99999", "--decode", "http://h:2"], "--prefill: expected an http"),

@@ -34,6 +34,7 @@ from kvlink.connector.scheduler import NixlScheduler
 from kvlink.connector.worker import NixlWorker
 from kvlink.engine.engine import LLMEngine
 from kvlink.engine.request import RequestOutput, RequestStatus, SamplingParams
+from kvlink.layout.spec import is_ssm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -102,7 +103,7 @@ def p_writes(worker: NixlWorker) -> list[Any]:
 # Every case on the hybrid (attention and SSM layers); SmolLM2 (30 layers) where D joins mid-forward.
 @pytest.mark.parametrize(("model_name", "when"), [
     ("tiny-hybrid", "d-asks-first"), ("tiny-hybrid", "d-asks-mid-forward"), ("tiny-hybrid", "p-finished-first"),
-    ("smollm2-135m", "d-asks-mid-forward")])
+    ("tiny-hybrid", "d-asks-first, chunked prefill"), ("smollm2-135m", "d-asks-mid-forward")])
 def test_layerwise_d_pages_equal_p_pages(pair: tuple[LLMEngine, LLMEngine, NixlWorker], model: Any,
                                          model_name: str, when: str) -> None:
     p, d, p_worker = pair
@@ -123,7 +124,10 @@ def test_layerwise_d_pages_equal_p_pages(pair: tuple[LLMEngine, LLMEngine, NixlW
         return request is not None and request.status is RequestStatus.WAITING and request.num_computed_tokens == n
 
     d_first = when != "p-finished-first"
-    if when == "d-asks-first":
+    chunked = when.endswith("chunked prefill")
+    if chunked:  # P prefills 32 tokens per step: each chunk's layers leave as they are computed
+        p.scheduler.prefill_chunk = 32
+    if when.startswith("d-asks-first"):
         d.add_request("d1", prompt, SamplingParams(max_tokens=6), layerwise_params(p, "p1"))
         for _ in range(3):  # D allocates and sends its push request; P has no such request yet
             d.step()
@@ -166,7 +170,12 @@ def test_layerwise_d_pages_equal_p_pages(pair: tuple[LLMEngine, LLMEngine, NixlW
     # D first: one WRITE per layer (its KV, or its SSM state once final) right after that layer
     # of P's forward, all of the prompt: `pushed` then goes alone. D after: one WRITE of it all.
     writes = p_writes(p_worker)[writes_before:]
-    assert len(writes) == (model.spec.num_layers if d_first else 1), [w.nbytes for w in writes]
+    if chunked:  # 32, 64 then 89 tokens: every attention layer three times, the SSM state once
+        attention = sum(1 for g in model.spec.layer_groups if not is_ssm(model.spec.groups[g]))
+        ssm = model.spec.num_layers - attention
+        assert len(writes) == 3 * attention + ssm, [w.nbytes for w in writes]
+    else:
+        assert len(writes) == (model.spec.num_layers if d_first else 1), [w.nbytes for w in writes]
 
     run_until([d, p], lambda: not d.has_unfinished() and not p.has_unfinished(), outputs)
     tokens = [t for out in outputs["d1"] for t in out.new_token_ids]

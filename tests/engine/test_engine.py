@@ -153,3 +153,40 @@ def test_max_model_len_refuses_requests_up_front(hybrid: TinyHybridModel) -> Non
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("ok", prompt(60, 3))
     assert len(tokens_of(run_all(engine)["ok"])) == 6
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 8, 13])
+def test_chunked_prefill_equals_the_reference_and_decodes_between_chunks(hybrid: TinyHybridModel,
+                                                                         chunk: int) -> None:
+    """`prefill_chunk`: a long prompt prefills `chunk` tokens per step (the SSM state and the
+    paged KV carry over between chunks) while a short request decodes in the same steps;
+    greedy output equals the no-paging reference, and nothing is sampled from a chunk."""
+    engine = LLMEngine(hybrid, num_blocks=32, block_size=BLOCK, kernel_block_size=KERNEL_BLOCK,
+                       prefill_chunk=chunk)
+    fed: list[tuple[str, int, int]] = []
+    run = engine.runner.run
+
+    def spying_run(runs: list) -> dict[str, int]:  # type: ignore[type-arg]
+        fed.extend((r.request.request_id, r.start_pos, r.num_tokens) for r in runs)
+        return run(runs)
+
+    engine.runner.run = spying_run  # type: ignore[method-assign]
+    prompts = {"short": prompt(30, 2), "long": prompt(31, 29)}
+    for request_id, tokens in prompts.items():
+        engine.add_request(request_id, tokens, SamplingParams(max_tokens=5))
+    outputs = run_all(engine)
+    for request_id, tokens in prompts.items():
+        assert tokens_of(outputs[request_id]) == reference_greedy(hybrid, tokens, 5)
+    long_runs = [(start, n) for rid, start, n in fed if rid == "long"]
+    prefill = [(start, n) for start, n in long_runs if start < 29]
+    assert all(n <= chunk for _, n in prefill) and sum(n for _, n in prefill) == 29
+    assert [start for start, _ in prefill] == sorted({start for start, _ in prefill})  # in order, no repeat
+    if chunk < 29:  # the short request decoded while the long one was still prefilling
+        last_chunk_step = max(i for i, (rid, start, _) in enumerate(fed) if rid == "long" and start < 29)
+        assert any(rid == "short" for rid, _, _ in fed[:last_chunk_step])
+    assert len(outputs["long"]) == 5, "a chunk produced an output"
+
+
+def test_prefill_chunk_must_not_be_negative(hybrid: TinyHybridModel) -> None:
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        LLMEngine(hybrid, num_blocks=8, block_size=BLOCK, kernel_block_size=KERNEL_BLOCK, prefill_chunk=-1)

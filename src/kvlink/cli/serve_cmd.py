@@ -21,6 +21,7 @@ from kvlink.layout.limits import (
     SECONDS_OR_ZERO,
     THREADS,
     TOKENS,
+    TOKENS_OR_ZERO,
     TP,
     Bound,
 )
@@ -71,6 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "long, since a late transfer may still write them")
     parser.add_argument("--lease-s", type=seconds, default=30.0,
                         help="how long P keeps a finished request's blocks for D")
+    parser.add_argument("--prefill-chunk", type=ranged(TOKENS_OR_ZERO), default=0,
+                        help="prefill long prompts this many tokens per step (chunked prefill; "
+                             "layerwise then writes each chunk's layers as they are computed); 0: whole prompts")
     parser.add_argument("--max-model-len", type=ranged(TOKENS), default=None,
                         help="cap on prompt + completion tokens (default: what the blocks hold)")
     parser.add_argument("--request-timeout-s", type=seconds, default=120.0,

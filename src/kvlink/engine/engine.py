@@ -40,6 +40,7 @@ class LLMEngine:
         max_num_seqs: int = 16,
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
+        prefill_chunk: int = 0,
     ) -> None:
         self.model, self.num_blocks, self.max_model_len = model, num_blocks, max_model_len
         self.block_size, self.kernel_block_size = block_size, kernel_block_size
@@ -56,7 +57,7 @@ class LLMEngine:
             connector_worker.register_kv_caches(*register_with(self.kv_caches))
 
         self.scheduler = Scheduler(
-            self.pools, ssm_groups, connector_scheduler, max_num_seqs, max_num_batched_tokens
+            self.pools, ssm_groups, connector_scheduler, max_num_seqs, max_num_batched_tokens, prefill_chunk
         )
         self.runner = ModelRunner(model, self.kv_caches, block_size)
         if connector_worker is not None:  # P streams layers as the forward makes them (layerwise)
@@ -151,6 +152,8 @@ class LLMEngine:
             request.num_computed_tokens = run.start_pos + run.num_tokens
             for pool, table in zip(self.pools, request.block_tables, strict=True):
                 pool.cache_full_blocks(table, request.all_token_ids, request.num_computed_tokens)
+            if request.num_computed_tokens < request.num_tokens_to_compute:
+                continue  # a chunk of the prompt: the next one comes in a later step
             if request.prefill_only:
                 self._finish(request, "length")
                 continue

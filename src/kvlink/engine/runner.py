@@ -36,6 +36,6 @@ class ModelRunner:
                 input_ids, run.start_pos, tables, self.caches, block_size=self.block_size,
                 last_token_only=True, stream=stream,
             )
-            if not request.prefill_only:
+            if not request.prefill_only and end >= request.num_tokens_to_compute:  # not a prompt chunk
                 sampled[request.request_id] = sample(logits[-1], request.params, request.generator)
         return sampled

@@ -38,10 +38,13 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(
         self, pools: list[BlockPool], ssm_groups: list[bool], connector: ConnectorScheduler | None,
-        max_num_seqs: int = 16, max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 16, max_num_batched_tokens: int = 2048, prefill_chunk: int = 0,
     ) -> None:
+        if prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be 0 (whole prompts) or a positive token count, got {prefill_chunk}")
         self.pools, self.ssm_groups, self.connector = pools, ssm_groups, connector
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.prefill_chunk = prefill_chunk
         self.has_state = any(ssm_groups)
         self.attention_groups = [g for g, ssm in enumerate(ssm_groups) if not ssm]
         self.waiting: deque[Request] = deque()
@@ -60,8 +63,9 @@ class Scheduler:
             if not self._make_room(request, out):
                 continue
             self._grow(request, request.num_tokens)
-            out.runs.append(ScheduledRun(request, request.num_computed_tokens, 1))
-            budget -= 1
+            num_new = self._chunk(request)  # 1 when decoding; the next chunk of a long prompt
+            out.runs.append(ScheduledRun(request, request.num_computed_tokens, num_new))
+            budget -= num_new
         while self.waiting and not out.preempted and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             if not request.block_tables and not self._admit(request, out):
@@ -72,7 +76,7 @@ class Scheduler:
                 continue
             if request in out.rejected:
                 continue
-            num_new = max(0, request.num_tokens_to_compute - request.num_computed_tokens)
+            num_new = self._chunk(request)
             if num_new > budget and out.runs:
                 self.waiting.appendleft(request)
                 break
@@ -81,6 +85,12 @@ class Scheduler:
             out.runs.append(ScheduledRun(request, request.num_computed_tokens, num_new))
             budget -= num_new
         return out
+
+    def _chunk(self, request: Request) -> int:
+        """Tokens of the request's next forward: all that remain, or with `prefill_chunk` at
+        most that many (a long prompt then prefills over several steps, decodes in between)."""
+        remaining = max(0, request.num_tokens_to_compute - request.num_computed_tokens)
+        return min(remaining, self.prefill_chunk) if self.prefill_chunk else remaining
 
     def _admit(self, request: Request, out: SchedulerOutput) -> bool:
         """Allocate blocks (and ask the connector for remote KV); False when it must wait."""

@@ -61,6 +61,7 @@ def float_range(low: float, high: float, allow_none: bool = False) -> Bound:
 
 TP = int_range(1, MAX_TP)
 TOKENS = int_range(1, MAX_TOKENS)
+TOKENS_OR_ZERO = int_range(0, MAX_TOKENS)
 BLOCK_SIZE = int_range(1, MAX_BLOCK_SIZE)
 NUM_BLOCKS = int_range(1, MAX_NUM_BLOCKS)
 MODEL_DIM = int_range(1, MAX_MODEL_DIM)
