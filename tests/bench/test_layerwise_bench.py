@@ -48,3 +48,49 @@ def test_options_refuse_what_they_cannot_run() -> None:
     for parse, bad in ((_rates, "fast"), (_tokens, "1"), (_tokens, "9000"), (_modes, "stream")):
         with pytest.raises(argparse.ArgumentTypeError):
             parse(bad)
+
+
+def test_vllm_targets_estimate_the_transfer_from_pull_past_p() -> None:
+    """A vLLM D reports no transfer figures: the transfer is what the 1 Gbit/s link added to
+    pull's time past P; NixlConnector's TTFT is set beside layerwise."""
+    result = Result({"engine": "vllm"}, "machine", "tcp")
+    result.samples += [sample("1gbit", "pull", 4.0, 3.0, None), sample("none", "pull", 3.2, 3.0, None),
+                       sample("1gbit", "layerwise", 3.4, 3.1, None), sample("1gbit", "nixl", 4.2, 3.0, None)]
+    lines = targets(result)
+    # transfer = (4.0 - 3.0) - (3.2 - 3.0) = 800 ms; bound = 4000 - 480
+    assert "bound 3520 ms" in lines[0] and "1gbit - no limit" in lines[0] and lines[0].endswith("met")
+    assert any("NixlConnector 4200 ms" in line for line in lines)
+
+
+def test_vllm_servers_sit_in_their_namespaces_with_tcp_on_the_link(tmp_path: Path) -> None:
+    from kvlink.bench.layerwise_vllm import (
+        NIXL,
+        VllmLayerwiseConfig,
+        layerwise_p_legs,
+        server_specs,
+    )
+    from kvlink.bench.two_hosts import TwoHosts
+    from kvlink.integrations.vllm.launch import server_argv, server_env
+
+    hosts = TwoHosts("nsp", "nsd", "lp", "ld", "10.9.0.1", "10.9.0.2", "10.9.2.2")
+    config = VllmLayerwiseConfig(tmp_path)
+    for connector in ("kvlink", NIXL):
+        p, d = server_specs(config, hosts, connector, "s" * 32)
+        argv_p, argv_d = server_argv(p), server_argv(d)
+        assert argv_p[:4] == ["ip", "netns", "exec", "nsp"] and argv_d[:4] == ["ip", "netns", "exec", "nsd"]
+        assert argv_p[argv_p.index("--host") + 1] == "10.9.0.1" and p.url == f"http://10.9.0.1:{p.port}"
+        assert argv_d[argv_d.index("--host") + 1] == "10.9.2.2"
+        env_p, env_d = server_env(p), server_env(d)
+        assert (env_p["UCX_TLS"], env_p["UCX_NET_DEVICES"], env_d["UCX_NET_DEVICES"]) == ("tcp", "lp", "ld")
+        assert (p.cores, d.cores) == ("0", "1")
+        if connector == NIXL:
+            assert p.kv_transfer_config == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+            assert env_p["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.9.0.1"
+            assert env_d["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.9.0.2"
+        else:
+            assert p.kv_transfer_config is not None and d.kv_transfer_config is not None
+            assert p.kv_transfer_config["kv_connector_extra_config"]["side_channel_host"] == "10.9.0.1"
+            assert d.kv_transfer_config["kv_connector_extra_config"]["side_channel_host"] == "10.9.0.2"
+    log = tmp_path / "proxy.log"
+    log.write_text("INFO request lwv-1gbit-256-layerwise-0: layerwise prefill answered after 812.5ms\nnoise\n")
+    assert layerwise_p_legs(log) == {"lwv-1gbit-256-layerwise-0": pytest.approx(0.8125)}

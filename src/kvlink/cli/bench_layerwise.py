@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvlink.cli.ranges import ranged
 from kvlink.layout.limits import COUNT, NUM_BLOCKS
+
+if TYPE_CHECKING:
+    from kvlink.bench.layerwise import Result
 
 
 def _tokens(text: str) -> tuple[int, ...]:
@@ -29,13 +34,14 @@ def _rates(text: str) -> tuple[str | None, ...]:
     return tuple(out)
 
 
-def _modes(text: str) -> tuple[str, ...]:
-    from kvlink.bench.layerwise import MODES
+ALL_MODES = ("pull", "push", "layerwise", "nixl")
 
+
+def _modes(text: str) -> tuple[str, ...]:
     values = tuple(v.strip() for v in text.split(",") if v.strip())
-    bad = [v for v in values if v not in MODES]
+    bad = [v for v in values if v not in ALL_MODES]
     if bad or not values:
-        raise argparse.ArgumentTypeError(f"modes must be among {', '.join(MODES)}; got {text!r}")
+        raise argparse.ArgumentTypeError(f"modes must be among {', '.join(ALL_MODES)}; got {text!r}")
     return values
 
 
@@ -44,7 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rates", type=_rates, default=("1gbit", "10gbit", None),
                         help="tc rates of the P-D link, e.g. 1gbit,10gbit,none")
     parser.add_argument("--runs", type=ranged(COUNT), default=5, help="requests per (rate, length, mode)")
-    parser.add_argument("--modes", type=_modes, default=("pull", "push", "layerwise"))
+    parser.add_argument("--engine", choices=("kvlink", "vllm"), default="kvlink",
+                        help="P and D as kvlink's servers, or as vLLM (CPU build) with kvlink's connector "
+                             "and, for mode nixl, with vLLM's NixlConnector")
+    parser.add_argument("--modes", type=_modes, default=None,
+                        help="pull,push,layerwise (and, with --engine vllm, nixl); default: all of them")
     parser.add_argument("--num-blocks", type=ranged(NUM_BLOCKS), default=320)
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG chart here")
@@ -61,10 +71,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvlink bench layerwise: --num-blocks {args.num_blocks} cannot hold a {longest}-token "
               f"prompt in blocks of 16; use at least {needed}")
         return 2
-    config = LayerwiseConfig(args.tokens, args.rates, args.runs, args.modes, args.num_blocks, args.log_dir)
+    modes = args.modes or (ALL_MODES if args.engine == "vllm" else ALL_MODES[:3])
+    if "nixl" in modes and args.engine != "vllm":
+        print("kvlink bench layerwise: mode nixl is vLLM's NixlConnector; use it with --engine vllm")
+        return 2
     where = machine()
+    progress = lambda line: print(line, flush=True)  # noqa: E731
     try:
-        result = run_bench(config, where, progress=lambda line: print(line, flush=True))
+        if args.engine == "vllm":
+            result = _run_vllm(args, modes, where, progress)
+        else:
+            config = LayerwiseConfig(args.tokens, args.rates, args.runs, modes, args.num_blocks, args.log_dir)
+            result = run_bench(config, where, progress=progress)
     except KeyboardInterrupt:
         print("interrupted; every process and namespace was removed")
         return 130
@@ -83,3 +101,17 @@ def run(args: argparse.Namespace) -> int:
         plot(result, args.plot)
         print(f"wrote {args.plot}")
     return 0
+
+
+def _run_vllm(args: argparse.Namespace, modes: tuple[str, ...], where: str, progress: Callable[[str], None]) -> Result:
+    import tempfile
+
+    from kvlink.bench.layerwise_vllm import VllmLayerwiseConfig, run_vllm_bench
+    from kvlink.bench.vllm_config import default_model_dir
+
+    progress("preparing SmolLM2-135M as an HF directory for vLLM")
+    config = VllmLayerwiseConfig(default_model_dir(), args.tokens, args.rates, args.runs, modes, log_dir=args.log_dir)
+    if args.log_dir is not None:
+        return run_vllm_bench(config, where, args.log_dir, progress)
+    with tempfile.TemporaryDirectory(prefix="kvlink-bench-layerwise-") as logs:
+        return run_vllm_bench(config, where, Path(logs), progress)

@@ -232,7 +232,11 @@ def build_proxy_app(
             if failure is not None:
                 logger.warning("request %s: layerwise prefill failed: %s", request_id, failure)
             else:
-                metrics.observe("prefill_seconds", time.monotonic() - started)
+                taken = time.monotonic() - started
+                metrics.observe("prefill_seconds", taken)
+                # P's leg of a layerwise request (its queue, prefill and answer), as the
+                # classic legs' prefill time: what `kvlink bench layerwise` subtracts
+                logger.info("request %s: layerwise prefill answered after %.1fms", request_id, taken * 1e3)
 
         p_call.add_done_callback(p_done)
         d_params = {"do_remote_prefill": True, "transfer_mode": "layerwise", "remote_request_id": request_id,

@@ -44,10 +44,12 @@ class VllmServerSpec:
     env: dict[str, str] = field(default_factory=dict)
     args: list[str] = field(default_factory=list)
     name: str = ""
+    host: str = "127.0.0.1"  # where the HTTP server listens (and is reached)
+    netns: str | None = None  # run inside this network namespace (`ip netns exec`)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def label(self) -> str:
@@ -70,9 +72,10 @@ def kvlink_transfer_config(side_channel_port: int, role: str = "kv_both", by_nam
 
 def server_argv(spec: VllmServerSpec, python: str = sys.executable) -> list[str]:
     argv = [
+        *(("ip", "netns", "exec", spec.netns) if spec.netns else ()),
         python, "-m", API_SERVER,
         "--model", str(spec.model),
-        "--host", "127.0.0.1",
+        "--host", spec.host,
         "--port", str(spec.port),
         "--dtype", spec.dtype,
         "--max-model-len", str(spec.max_model_len),
