@@ -89,15 +89,20 @@ def _ask(client: httpx.Client, proxy: str, prompt: list[int], mode: str | None, 
 _P_LINE = re.compile(r"request (\S+) role=prefill .* total=([0-9.]+)ms")
 
 
-def p_times(log: Path) -> dict[str, float]:
-    """P's own time per request id (arrival to its prefill's end), from its one log line each."""
+def seconds_by_request(log: Path, pattern: re.Pattern[str]) -> dict[str, float]:
+    """Request id -> seconds, from the log lines `pattern` matches (groups: id, milliseconds)."""
     out: dict[str, float] = {}
     if log.exists():
         for line in log.read_text(errors="replace").splitlines():
-            match = _P_LINE.search(line)
+            match = pattern.search(line)
             if match:
                 out[match.group(1)] = float(match.group(2)) / 1e3
     return out
+
+
+def p_times(log: Path) -> dict[str, float]:
+    """P's own time per request id (arrival to its prefill's end), from its one log line each."""
+    return seconds_by_request(log, _P_LINE)
 
 
 def spec_for(hosts: TwoHosts, config: LayerwiseConfig) -> ClusterSpec:

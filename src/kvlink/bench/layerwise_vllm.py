@@ -21,13 +21,14 @@ from typing import Any
 
 import httpx
 
-from kvlink.bench.layerwise import Result, Sample, _ask, _prompt, rate_name
+from kvlink.bench.layerwise import Result, Sample, _ask, _prompt, rate_name, seconds_by_request
 from kvlink.bench.two_hosts import TwoHosts, limit_link, netns_unavailable, two_hosts
 from kvlink.bench.vllm_servers import _pythonpath
 from kvlink.connector.secret import new_secret
 from kvlink.integrations.vllm.launch import (
     VllmServerSpec,
     kvlink_transfer_config,
+    served_model,
     server_argv,
     server_env,
     wait_ready,
@@ -89,7 +90,7 @@ def running_pair(config: VllmLayerwiseConfig, hosts: TwoHosts, connector: str, l
     try:
         for spec in server_specs(config, hosts, connector, new_secret()):
             services.append(launcher.start_process(spec.label, server_argv(spec), spec.url, log_dir,
-                                                   server_env(spec), cpus=[0 if spec.label.startswith("p") else 1],
+                                                   server_env(spec), cpus=[int(spec.cores)],
                                                    cwd=log_dir))
         progress(f"starting vLLM P and D with {connector if connector == NIXL else 'kvlink'}'s connector "
                  "(about a minute)")
@@ -110,17 +111,7 @@ _LAYERWISE_P = re.compile(r"request (\S+): layerwise prefill answered after ([0-
 
 def layerwise_p_legs(log: Path) -> dict[str, float]:
     """P's leg of each layerwise request (seconds), from the proxy's log."""
-    out: dict[str, float] = {}
-    if log.exists():
-        for line in log.read_text(errors="replace").splitlines():
-            match = _LAYERWISE_P.search(line)
-            if match:
-                out[match.group(1)] = float(match.group(2)) / 1e3
-    return out
-
-
-def _served_model(url: str) -> str:
-    return str(httpx.get(url + "/v1/models", timeout=10.0).json()["data"][0]["id"])
+    return seconds_by_request(log, _LAYERWISE_P)
 
 
 def run_vllm_bench(config: VllmLayerwiseConfig, machine: str, log_dir: Path,
@@ -140,7 +131,7 @@ def run_vllm_bench(config: VllmLayerwiseConfig, machine: str, log_dir: Path,
                 continue
             rng = random.Random(config.seed)  # the same prompts for both connectors
             with running_pair(config, hosts, connector, log_dir, progress) as proxy:
-                model = _served_model(_p_url(hosts))
+                model = served_model(_p_url(hosts))
                 samples: list[Sample] = []
                 for rate in config.rates:
                     limit_link(hosts, rate)

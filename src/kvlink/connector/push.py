@@ -86,16 +86,17 @@ class PushWriter:
         staged: StagedRequest | None = None
         target_ids, target_computed = entry["local_block_ids"], entry["local_computed_tokens"]
         try:  # what the sources will write: checks the ids now, and gives the request's figures
+            p_ids = _p_ids_for_figures(engine, entry)
             if engine.staged is not None:  # layerwise only: P writes whole pages into staging
-                staged = self.stage(engine, {**entry, "remote_block_ids": _p_ids_for_figures(engine, entry)})
+                staged = self.stage(engine, {**entry, "remote_block_ids": p_ids})
                 if staged is None:
                     return entry["request_id"] in w.out.failed_recving
                 specs = staged.specs
                 k = engine.staged.stage_tokens
                 target_ids, target_computed = [list(staged.slots)], int(entry["local_computed_tokens"]) // k * k
             else:
-                specs = engine.plan.request_ids(entry["local_block_ids"], _p_ids_for_figures(engine, entry),
-                                                entry["num_tokens"], entry["local_computed_tokens"])
+                specs = engine.plan.request_ids(entry["local_block_ids"], p_ids, entry["num_tokens"],
+                                                entry["local_computed_tokens"])
         except (ValueError, KeyError, TypeError, IndexError) as exc:
             w.fail_request(entry["request_id"], _blocks(entry), f"cannot plan request: {exc}", bad_params=True)
             return True
@@ -126,8 +127,8 @@ class PushWriter:
             }
             if layerwise:  # P writes as it prefills, and only for the prompt it prefills
                 info.update(layerwise=True, prompt_hash=entry["prompt_hash"])
-            if staged is not None:  # the ids are staging pages of P's kernel block size
-                info["staging"] = engine.pool.kernel_block_size if engine.pool is not None else 0
+            if engine.staged is not None:  # the ids are staging pages of P's kernel block size
+                info["staging"] = engine.staged.stage_tokens
             try:
                 w.send_or_raise(name, encode(PushRequest(entry["remote_request_id"], info), w.secret), engine)
             except TransferFailed as exc:
