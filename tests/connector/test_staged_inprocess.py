@@ -268,3 +268,36 @@ def test_layerwise_staging_for_another_prompt_gets_nothing_and_its_slots_wait_ou
         assert pool.take(pool.slots, pair.d.clock()) is not None
     finally:
         pair.close()
+
+
+@pytest.mark.parametrize(("p_kbs", "d_kbs", "named"), [(32, 128, None), (32, 32, 32), (32, 128, 64)])
+def test_a_push_request_naming_another_id_space_than_p_plans_is_refused(
+        p_kbs: int, d_kbs: int, named: int | None) -> None:
+    """D's push request says which space its ids are in (`staging`: pages of P's kernel block
+    size in D's staging area; absent: D's own blocks). One that does not match P's plan for
+    that D (a D of another build, or a hostile one) is refused: P writes nothing, counts it,
+    and D fails the load at its deadline with its memory untouched."""
+    pair = Pair(p_kbs, d_kbs, layers=2, layerwise_wait_s=0.001)
+    try:
+        req = pair.request("lw", 100, mode="layerwise", save=False)
+        req["entry"].update(remote_block_ids=[[]], prompt_hash="h")
+        received = pair.p.push.on_push_request
+
+        def tamper(msg, now):  # type: ignore[no-untyped-def]
+            msg.info.pop("staging", None)
+            if named is not None:
+                msg.info["staging"] = named
+            received(msg, now)
+
+        pair.p.push.on_push_request = tamper  # type: ignore[method-assign]
+        before = pair.d_mem.data.copy()
+        pair.p.start_load_kv(StepMetadata(streams=[{"request_id": "p-lw", "prompt_hash": "h", "num_tokens": 100}]))
+        pair.d.start_load_kv(StepMetadata(loads=[req["entry"]]))
+        outs = poll_until([pair.d, pair.p], lambda o: _finished(o, {"lw"}), timeout_s=15)
+        failure = next(o.load_failures["lw"] for o in outs if "lw" in o.load_failures)
+        assert failure.stalled and "no push completion" in failure.reason
+        assert pair.p.get_stats()["counters"]["refused_push_requests_total"] == 1
+        assert not pair.p.push.streaming.get("p-lw"), "P streamed into a space it does not plan for"
+        assert np.array_equal(pair.d_mem.data, before), "P wrote into D"
+    finally:
+        pair.close()
