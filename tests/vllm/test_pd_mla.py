@@ -7,7 +7,7 @@ has AMX tiles (block sizes multiples of 32) and on `CPU_MLA` elsewhere (block 16
 prefix caching); both keep each layer's latents token-major, `[blocks, 1, block_size, 576]`.
 Every server here runs `CPU_MLA` (`--attention-backend CPU_MLA`), on machines with AMX too:
 that is the backend these runs were made on; AMX_MLA's pages are checked against its own
-cache writer below, but no P/D run on AMX_MLA (block pairs, D prefix hits) has been made.
+cache writer below, and its P/D runs (block pairs, D prefix hits) are in test_pd_mla_amx.py.
 vLLM's CPU MLA decode and prefill answer differently for the same position, so references
 are taken on D's path (see `references`). Servers: one colocated reference (stopped before
 the others start), then two KvlinkConnector servers of block 16 and one TP 2 server for P
@@ -181,7 +181,7 @@ def test_push_equals_colocated(servers: list[Service], references: dict[str, Ref
 
 # No D prefix hit here: vLLM turns prefix caching off for MLA on CPU_MLA (platforms/cpu.py:
 # "MLA is enabled on a non-GPU platform; forcing chunked prefill and prefix caching to be
-# disabled"); AMX_MLA keeps it, and is not run here.
+# disabled"); AMX_MLA keeps it (test_pd_mla_amx.py).
 
 
 # ---- heterogeneous TP: the latent is the same on every rank -----------------------------
