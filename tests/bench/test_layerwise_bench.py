@@ -94,3 +94,29 @@ def test_vllm_servers_sit_in_their_namespaces_with_tcp_on_the_link(tmp_path: Pat
     log = tmp_path / "proxy.log"
     log.write_text("INFO request lwv-1gbit-256-layerwise-0: layerwise prefill answered after 812.5ms\nnoise\n")
     assert layerwise_p_legs(log) == {"lwv-1gbit-256-layerwise-0": pytest.approx(0.8125)}
+
+
+def test_nixl_connector_settings_reach_its_servers_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--nixl-extra` / `--nixl-env`: NixlConnector's extra config and environment (over the
+    bench's own), on NixlConnector's servers and not on kvlink's; refused without mode nixl."""
+    from kvlink.bench.layerwise_vllm import NIXL, VllmLayerwiseConfig, server_specs
+    from kvlink.bench.two_hosts import TwoHosts
+    from kvlink.cli.main import main
+    from kvlink.integrations.vllm.launch import server_env
+
+    hosts = TwoHosts("nsp", "nsd", "lp", "ld", "10.9.0.1", "10.9.0.2", "10.9.2.2")
+    config = VllmLayerwiseConfig(tmp_path, nixl_extra={"num_threads": 8}, nixl_env={"UCX_TLS": "tcp,self"})
+    p, d = server_specs(config, hosts, NIXL, "s" * 32)
+    for spec in (p, d):
+        assert spec.kv_transfer_config == {"kv_connector": "NixlConnector", "kv_role": "kv_both",
+                                           "kv_connector_extra_config": {"num_threads": 8}}
+        assert server_env(spec)["UCX_TLS"] == "tcp,self"
+    assert server_env(p)["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.9.0.1"
+    p, d = server_specs(config, hosts, "kvlink", "s" * 32)
+    assert p.kv_transfer_config is not None and "num_threads" not in p.kv_transfer_config["kv_connector_extra_config"]
+    assert server_env(p)["UCX_TLS"] == "tcp"
+    for argv in (["--nixl-extra", '{"num_threads": 8}'], ["--engine", "vllm", "--modes", "pull", "--nixl-env", "A=1"]):
+        assert main(["bench", "layerwise", *argv]) == 2
+        assert "need --engine vllm and mode nixl" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["bench", "layerwise", "--engine", "vllm", "--nixl-extra", "[1]"])

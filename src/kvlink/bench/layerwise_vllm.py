@@ -15,7 +15,7 @@ import random
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,8 @@ class VllmLayerwiseConfig:
     max_model_len: int = 4160  # the longest prompt (4096) and its token
     log_dir: Path | None = None
     seed: int = 0
+    nixl_extra: dict[str, Any] = field(default_factory=dict)  # NixlConnector's kv_connector_extra_config
+    nixl_env: dict[str, str] = field(default_factory=dict)  # and its servers' environment, over the bench's
 
 
 def _server(config: VllmLayerwiseConfig, name: str, netns: str, host: str, core: int, kv: dict[str, Any],
@@ -71,8 +73,12 @@ def server_specs(config: VllmLayerwiseConfig, hosts: TwoHosts, connector: str,
     d_env = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": hosts.link_d}
     if connector == NIXL:
         kv: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
-        p_env |= {"VLLM_NIXL_SIDE_CHANNEL_HOST": hosts.p_addr, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(SIDE_PORT)}
-        d_env |= {"VLLM_NIXL_SIDE_CHANNEL_HOST": hosts.d_addr, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(SIDE_PORT)}
+        if config.nixl_extra:
+            kv["kv_connector_extra_config"] = dict(config.nixl_extra)
+        p_env |= {**config.nixl_env, "VLLM_NIXL_SIDE_CHANNEL_HOST": hosts.p_addr,
+                  "VLLM_NIXL_SIDE_CHANNEL_PORT": str(SIDE_PORT)}
+        d_env |= {**config.nixl_env, "VLLM_NIXL_SIDE_CHANNEL_HOST": hosts.d_addr,
+                  "VLLM_NIXL_SIDE_CHANNEL_PORT": str(SIDE_PORT)}
         p_kv, d_kv = kv, kv
     else:
         p_env["KVLINK_SECRET"] = d_env["KVLINK_SECRET"] = secret

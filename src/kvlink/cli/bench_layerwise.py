@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvlink.cli.argtypes import env_pair, json_object
 from kvlink.cli.ranges import ranged
 from kvlink.layout.limits import COUNT, NUM_BLOCKS
 
@@ -55,6 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and, for mode nixl, with vLLM's NixlConnector")
     parser.add_argument("--modes", type=_modes, default=None,
                         help="pull,push,layerwise (and, with --engine vllm, nixl); default: all of them")
+    parser.add_argument("--nixl-extra", type=json_object, default={}, metavar="JSON",
+                        help="with --engine vllm: NixlConnector's kv_connector_extra_config, "
+                             "e.g. '{\"num_threads\": 8}'")
+    parser.add_argument("--nixl-env", type=env_pair, action="append", default=[], metavar="NAME=VALUE",
+                        help="with --engine vllm: environment for NixlConnector's servers (repeatable; "
+                             "over the bench's own, UCX_TLS=tcp included)")
     parser.add_argument("--num-blocks", type=ranged(NUM_BLOCKS), default=320)
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG chart here")
@@ -74,6 +82,10 @@ def run(args: argparse.Namespace) -> int:
     modes = args.modes or (ALL_MODES if args.engine == "vllm" else ALL_MODES[:3])
     if "nixl" in modes and args.engine != "vllm":
         print("kvlink bench layerwise: mode nixl is vLLM's NixlConnector; use it with --engine vllm")
+        return 2
+    if (args.nixl_extra or args.nixl_env) and "nixl" not in modes:
+        print("kvlink bench layerwise: --nixl-extra and --nixl-env set NixlConnector's servers; "
+              "they need --engine vllm and mode nixl")
         return 2
     where = machine()
     progress = lambda line: print(line, flush=True)  # noqa: E731
@@ -110,7 +122,11 @@ def _run_vllm(args: argparse.Namespace, modes: tuple[str, ...], where: str, prog
     from kvlink.bench.vllm_config import default_model_dir
 
     progress("preparing SmolLM2-135M as an HF directory for vLLM")
-    config = VllmLayerwiseConfig(default_model_dir(), args.tokens, args.rates, args.runs, modes, log_dir=args.log_dir)
+    config = VllmLayerwiseConfig(default_model_dir(), args.tokens, args.rates, args.runs, modes, log_dir=args.log_dir,
+                                 nixl_extra=dict(args.nixl_extra), nixl_env=dict(args.nixl_env))
+    if config.nixl_extra or config.nixl_env:
+        progress(f"NixlConnector: kv_connector_extra_config {json.dumps(config.nixl_extra, sort_keys=True)}, "
+                 f"environment {json.dumps(config.nixl_env, sort_keys=True)}")
     if args.log_dir is not None:
         return run_vllm_bench(config, where, args.log_dir, progress)
     with tempfile.TemporaryDirectory(prefix="kvlink-bench-layerwise-") as logs:

@@ -8,6 +8,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from kvlink.cli.argtypes import env_pair, json_object
 from kvlink.cli.ranges import ranged
 from kvlink.connector.config import VERIFY_MODES
 from kvlink.layout.limits import CONCURRENCY, COUNT, SECONDS, SEED, int_range
@@ -26,23 +27,6 @@ def _connectors(text: str) -> tuple[str, ...]:
     return names
 
 
-def _json_object(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}: {error}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
-    return value
-
-
-def _env_pair(text: str) -> tuple[str, str]:
-    name, sep, value = text.partition("=")
-    if not sep or not name or not name.replace("_", "").isalnum():
-        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
-    return name, value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from kvlink.bench.vllm_config import FAMILIES
 
@@ -51,9 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              + " (default dense)")
     parser.add_argument("--model-dir", type=Path, default=None,
                         help="HF model directory (default: the family's model, built on first use)")
-    parser.add_argument("--nixl-extra", type=_json_object, default={}, metavar="JSON",
+    parser.add_argument("--nixl-extra", type=json_object, default={}, metavar="JSON",
                         help="NixlConnector's kv_connector_extra_config, e.g. '{\"num_threads\": 1}'")
-    parser.add_argument("--nixl-env", type=_env_pair, action="append", default=[], metavar="NAME=VALUE",
+    parser.add_argument("--nixl-env", type=env_pair, action="append", default=[], metavar="NAME=VALUE",
                         help="environment for NixlConnector's servers (repeatable), e.g. UCX_TLS=cma,tcp")
     parser.add_argument("--nixl-label", default="", help="a name for NixlConnector's settings in the report")
     parser.add_argument("--connectors", type=_connectors, default=CONNECTOR_NAMES,
