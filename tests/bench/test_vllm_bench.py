@@ -175,7 +175,9 @@ def test_families_and_nixl_settings() -> None:
     for bad in (["--family", "mamba1"], ["--nixl-extra", "[1]"], ["--nixl-extra", "{"], ["--nixl-env", "NOVALUE"]):
         with pytest.raises(SystemExit):
             parse_args(["bench", "vllm", *bad])
-    assert set(FAMILIES) == {"dense", "swa", "mla", "hybrid", "gdn"}
+    assert set(FAMILIES) == {"dense", "swa", "mla", "mla-amx", "hybrid", "gdn"}
+    assert [f.name for f in FAMILIES.values() if f.needs_amx] == ["mla-amx"]
+    assert FAMILIES["mla-amx"].mixed_blocks == ((32, 128), (128, 32))
     assert FAMILIES["mla"].same_blocks == ((16, 16),) and FAMILIES["mla"].dtype == "bfloat16"
     config = VllmBenchConfig(model_dir=Path("/m"), nixl_extra={"num_threads": 1}, nixl_env={"UCX_TLS": "cma,tcp"},
                              nixl_label="t1", connectors=("nixl", "kvlink"), block_pairs=((128, 128),))
@@ -236,3 +238,13 @@ def test_all_failed_client_has_no_figures() -> None:
     report["cases"][4]["client"] = raw
     checks = {c["target"]: c["ok"] for c in refresh(report)["targets"]}
     assert checks["P128->D32 kvlink TTFT mean ms <= nixl"] is True  # nixl produced nothing
+
+
+def test_an_amx_family_is_refused_on_a_cpu_without_amx(monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    import kvlink.cli.bench_vllm as cli
+    from kvlink.cli.main import main
+
+    monkeypatch.setattr(cli, "_has_amx", lambda: False)
+    assert main(["bench", "vllm", "--family", "mla-amx", "--out-dir", str(tmp_path)]) == 2
+    assert "needs a CPU with AMX tiles" in capsys.readouterr().out

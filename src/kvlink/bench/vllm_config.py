@@ -24,6 +24,7 @@ class Family:
     same_blocks: tuple[tuple[int, int], ...]
     mixed_blocks: tuple[tuple[int, int], ...]
     about: str
+    needs_amx: bool = False  # vLLM serves it only on a CPU with AMX tiles
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -34,6 +35,11 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # CPU_MLA takes block 16 only; pinned so that a machine with AMX runs the same backend.
     Family("mla", "tiny_deepseek_mla_dir", "bfloat16", ("--attention-backend", "CPU_MLA"), ((16, 16),), (),
            "tiny DeepSeek-V2-like MLA (latent 512 + rope 64), bf16, CPU_MLA"),
+    # AMX_MLA (CPUs with AMX tiles only): blocks of 32k tokens; prefix caching off, since with
+    # it vLLM's own answers change with the path a prompt takes (docs/vllm.md, MLA models).
+    Family("mla-amx", "tiny_deepseek_mla_dir", "bfloat16",
+           ("--attention-backend", "AMX_MLA", "--no-enable-prefix-caching"), ((32, 32),), ((32, 128), (128, 32)),
+           "tiny DeepSeek-V2-like MLA, bf16, AMX_MLA (needs a CPU with AMX tiles)", needs_amx=True),
     # vLLM 0.32's CPU build crashes on hybrid prompts past one block with prefix caching on.
     Family("hybrid", "tiny_granite_hybrid_dir", "float32", ("--no-enable-prefix-caching",), SAME_BLOCKS, (),
            "tiny GraniteMoeHybrid: 3 Mamba2 layers + 1 attention, fp32, vLLM's default SD conv state"),

@@ -87,6 +87,10 @@ def run(args: argparse.Namespace) -> int:
         report(refresh(json.loads(args.from_json.read_text())), args, out_dir, write=False)
         return 0
     family = FAMILIES[args.family]
+    if family.needs_amx and not _has_amx():
+        print(f"kvlink bench vllm: family {family.name} runs on AMX_MLA, which needs a CPU with AMX tiles; "
+              "this one has none (torch.cpu._is_amx_tile_supported() is False): use --family mla")
+        return 2
     model_dir = args.model_dir if args.model_dir is not None else family_model_dir(family)
     pairs = family.same_blocks if args.quick or args.same_blocks_only else family.same_blocks + family.mixed_blocks
     config = VllmBenchConfig(
@@ -141,3 +145,9 @@ def report(result: dict[str, Any], args: argparse.Namespace, out_dir: Path, writ
         print(f"wrote {args.markdown}")
     failed = [c["target"] for c in result["targets"] if c["ok"] is False]
     print(f"targets: {len(failed)} missed" + (": " + "; ".join(failed) if failed else ""))
+
+
+def _has_amx() -> bool:
+    import torch
+
+    return bool(torch.cpu._is_amx_tile_supported())
