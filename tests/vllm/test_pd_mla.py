@@ -9,7 +9,10 @@ Every server here runs `CPU_MLA` (`--attention-backend CPU_MLA`), on machines wi
 that is the backend these runs were made on; AMX_MLA's pages are checked against its own
 cache writer below, and its P/D runs (block pairs, D prefix hits) are in test_pd_mla_amx.py.
 vLLM's CPU MLA decode and prefill answer differently for the same position, so references
-are taken on D's path (see `references`). Servers: one colocated reference (stopped before
+are taken on D's path (see `references`). On a CPU with AMX tiles even that is no exact
+reference (D's answers differ from it on some prompts with D's bytes equal to P's), so there
+the answers are checked against each other: the same P/D prompt pulled and pushed (one path,
+prefix caching being off) must answer alike, with every load checked in full (`verify_kv`). Servers: one colocated reference (stopped before
 the others start), then two KvlinkConnector servers of block 16 and one TP 2 server for P
 TP 2 → D TP 1 and TP 1 → TP 2.
 """
@@ -37,6 +40,7 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.slow
 
 torch = pytest.importorskip("torch")
+AMX = bool(torch.cpu._is_amx_tile_supported())
 BACKEND = "CPU_MLA"
 BACKEND_ARGS = ["--attention-backend", BACKEND]
 # CPU_MLA takes block 16 only (vLLM overrides any other size): no pair of block sizes to
@@ -57,7 +61,7 @@ def tagged(mode: str, case: str, prompt: str) -> str:
     return f"({mode} {case}) {prompt}"
 
 
-ALL_PROMPTS = [tagged(m, c, p) for m in ("pull", "push") for c in CASES for p in PROMPTS] + \
+ALL_PROMPTS = [tagged("pd", c, p) for c in CASES for p in PROMPTS] + \
     [tagged("tp", "2->1", PROMPTS[2]), tagged("tp", "1->2", PROMPTS[2])]
 
 
@@ -91,7 +95,7 @@ def references(vllm_servers: VllmServers, mla_dir: Path) -> dict[str, Reference]
             refs[text] = ([*ids, answer[0]], answer[1:])
     finally:
         vllm_servers.stop(server)
-    answers = {tuple(refs[tagged("pull", "same", p)][1]) for p in PROMPTS}
+    answers = {tuple(refs[tagged("pd", "same", p)][1]) for p in PROMPTS}
     assert len(answers) == len(PROMPTS), "greedy text must follow the prompt (a wrong KV must show)"
     return refs
 
@@ -106,7 +110,7 @@ def servers(vllm_servers: VllmServers, mla_dir: Path, secret: str,
             references: dict[str, Reference]) -> Iterator[list[Service]]:
     yield from vllm_servers.serve(*(
         vllm_servers.kvlink_spec(mla_dir, f"mla-{name}-block{block}", core, secret, block_size=block,
-                                 dtype=MODEL_DTYPE, args=BACKEND_ARGS)
+                                 dtype=MODEL_DTYPE, args=BACKEND_ARGS, extra={"verify_kv": "full"})
         for name, block, core in zip("abc"[:len(BLOCKS)], BLOCKS, ("0", "1", "1")[:len(BLOCKS)], strict=True)))
 
 
@@ -154,29 +158,43 @@ def test_servers_run_the_cpu_mla_backend(servers: list[Service]) -> None:
         assert found and found[-1] == (BACKEND, "576", MODEL_DTYPE, str(block_of(server)), "token_major"), found
 
 
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("index", range(len(PROMPTS)))
-def test_pull_equals_colocated(servers: list[Service], references: dict[str, Reference], case: str,
-                               index: int) -> None:
-    p, d = pair(servers, case)
-    prompt = tagged("pull", case, PROMPTS[index])
-    before = d_bytes(d)
-    got, tokens = run(p, d, references[prompt], "pull")
-    assert got == references[prompt][1]
-    # The N-1 tokens P computed, as whole P blocks (D recomputes the last prompt token).
-    p_block = block_of(p)
-    want = -(-(tokens - 1) // p_block) * p_block * BYTES_PER_TOKEN
-    assert settled(d, before, want) == want
+@pytest.fixture(scope="module")
+def answers(servers: list[Service], references: dict[str, Reference]) -> dict[tuple[str, int], tuple[list[int], int, float]]:
+    """(mode, prompt index) -> (D's answer, prompt tokens, D's bytes read): the same P/D prompt
+    pulled, then pushed (prefix caching is off on CPU_MLA: both take the same path)."""
+    p, d = pair(servers, "same")
+    out = {}
+    for mode in ("pull", "push"):
+        for index, text in enumerate(PROMPTS):
+            reference = references[tagged("pd", "same", text)]
+            before = d_bytes(d)
+            got, tokens = run(p, d, reference, mode)
+            # The N-1 tokens P computed, as whole P blocks (D recomputes the last prompt token);
+            # a push is P's WRITE, not counted as D's read.
+            want = -(-(tokens - 1) // block_of(p)) * block_of(p) * BYTES_PER_TOKEN if mode == "pull" else 0
+            out[(mode, index)] = (got, tokens, settled(d, before, want))
+    return out
 
 
-@pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("index", range(len(PROMPTS)))
-def test_push_equals_colocated(servers: list[Service], references: dict[str, Reference], case: str,
-                               index: int) -> None:
-    p, d = pair(servers, case)
-    prompt = tagged("push", case, PROMPTS[index])
-    got, _ = run(p, d, references[prompt], "push")
-    assert got == references[prompt][1]
+def test_pull_and_push_answer_alike_and_pull_reads_whole_blocks(servers: list[Service], answers: dict,
+                                                                 index: int) -> None:
+    (pulled, tokens, nbytes), (pushed, _, _) = answers[("pull", index)], answers[("push", index)]
+    assert pulled == pushed
+    d = servers[1]  # D checked every unit it loaded against P's digests: all equal
+    assert metric(d.url, "vllm:kvlink_kv_verified_units_total") > 0
+    assert metric(d.url, "vllm:kvlink_kv_checksum_mismatch_total") == 0
+    p_block = block_of(servers[0])
+    assert nbytes == -(-(tokens - 1) // p_block) * p_block * BYTES_PER_TOKEN
+
+
+@pytest.mark.skipif(AMX, reason="on a CPU with AMX tiles vLLM's CPU_MLA answers on D's path differ from "
+                    "colocated vLLM's with D's bytes equal to P's (verify_kv full): no exact reference "
+                    "there (docs/vllm.md, MLA models)")
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("index", range(len(PROMPTS)))
+def test_equals_colocated_on_ds_path(answers: dict, references: dict[str, Reference], mode: str, index: int) -> None:
+    assert answers[(mode, index)][0] == references[tagged("pd", "same", PROMPTS[index])][1]
 
 
 # No D prefix hit here: vLLM turns prefix caching off for MLA on CPU_MLA (platforms/cpu.py:
