@@ -301,3 +301,38 @@ def test_a_push_request_naming_another_id_space_than_p_plans_is_refused(
         assert np.array_equal(pair.d_mem.data, before), "P wrote into D"
     finally:
         pair.close()
+
+
+def test_p_dying_mid_stream_fails_d_at_its_deadline_and_leaves_nothing_held() -> None:
+    """P streams the first layers of a layerwise request into D's staging pages, then dies (its
+    worker shuts down: no more WRITEs, no `pushed`). D fails the load at its deadline, names
+    the stall, holds no load, and keeps the staging slots out of use for the quarantine
+    (a WRITE of P's could still have been in flight) before they return."""
+    pair = Pair(32, 128, layers=4, layerwise_wait_s=0.001, handshake_timeout_s=1.0, quarantine_s=0.5)
+    p_alive = True
+    try:
+        req = pair.request("lw", 200, mode="layerwise", save=False)
+        req["entry"].update(remote_block_ids=[[]], prompt_hash="h")
+        pair.p.start_load_kv(StepMetadata(streams=[{"request_id": "p-lw", "prompt_hash": "h", "num_tokens": 200}]))
+        pair.d.start_load_kv(StepMetadata(loads=[req["entry"]]))
+        poll_until([pair.d, pair.p], lambda o: bool(pair.p.push.streaming.get("p-lw")))
+        (job,) = pair.p.push.streaming["p-lw"]
+        for layer in range(2):  # the first forward's first two layers, then P is gone
+            pair.p.push.save_kv_layer("p-lw", layer, 96, [req["p_ids"].tolist()])
+        assert job.layers is not None and job.layers.writes == 2
+        pair.p.shutdown()
+        p_alive = False
+        started = time.monotonic()
+        outs = poll_until([pair.d], lambda o: _finished(o, {"lw"}), timeout_s=30)
+        failure = next(o.load_failures["lw"] for o in outs if "lw" in o.load_failures)
+        assert failure.stalled and "no push completion" in failure.reason
+        assert time.monotonic() - started < 10, "D waited past its deadline"
+        assert not pair.d.has_inflight()
+        (pool,) = pair.d._staging.values()
+        assert pool.take(pool.slots, pair.d.clock()) is None, "slots reused inside the quarantine"
+        time.sleep(0.6)
+        assert pool.take(pool.slots, pair.d.clock()) is not None
+    finally:
+        pair.d.shutdown()
+        if p_alive:
+            pair.p.shutdown()
