@@ -27,12 +27,13 @@ def _model(layers: int) -> ModelSpec:
 
 class Pair:
     def __init__(self, p_kbs: int, d_kbs: int, layers: int = 4, staging_mib: int = 256,
-                 p_blocks: int = 64, d_blocks: int = 64, **d_config: float) -> None:
+                 p_blocks: int = 64, d_blocks: int = 64, p_config: dict[str, float] | None = None,
+                 **d_config: float) -> None:
         self.model = _model(layers)
         self.p_kbs, self.d_kbs = p_kbs, d_kbs
         self.p_mem = real_worker(self.model, 1, 0, p_kbs, p_kbs, p_blocks, seed=1, page_order=ORDER)
         self.d_mem = real_worker(self.model, 1, 0, d_kbs, d_kbs, d_blocks, seed=2, page_order=ORDER)
-        self.p = NixlWorker(ConnectorConfig("P", side_channel_port=0), self.model, 1, 0, p_kbs, p_kbs,
+        self.p = NixlWorker(ConnectorConfig("P", side_channel_port=0, **(p_config or {})), self.model, 1, 0, p_kbs, p_kbs,
                             p_blocks, page_order=ORDER)
         self.d = NixlWorker(ConnectorConfig("D", side_channel_port=0, staging_mib=staging_mib,
                                             stall_timeout_s=3.0, **d_config), self.model, 1, 0, d_kbs, d_kbs,
@@ -336,3 +337,40 @@ def test_p_dying_mid_stream_fails_d_at_its_deadline_and_leaves_nothing_held() ->
         pair.d.shutdown()
         if p_alive:
             pair.p.shutdown()
+
+
+def test_d_dying_mid_stream_stops_p_writing_and_p_frees_at_its_lease() -> None:
+    """D dies while P streams a layerwise request into it: P's next layer WRITEs fail, P stops
+    streaming that request (no `pushed`), counts the failure, and frees the request's blocks
+    when its lease runs out; P keeps serving."""
+    pair = Pair(32, 128, layers=4, p_config={"lease_s": 1.0})
+    d_alive = True
+    try:
+        req = pair.request("lw", 200, mode="layerwise", save=False)
+        req["entry"].update(remote_block_ids=[[]], prompt_hash="h")
+        table = [req["p_ids"].tolist()]
+        pair.p.start_load_kv(StepMetadata(streams=[{"request_id": "p-lw", "prompt_hash": "h", "num_tokens": 200}]))
+        pair.d.start_load_kv(StepMetadata(loads=[req["entry"]]))
+        poll_until([pair.d, pair.p], lambda o: bool(pair.p.push.streaming.get("p-lw")))
+        (job,) = pair.p.push.streaming["p-lw"]
+        pair.p.push.save_kv_layer("p-lw", 0, 96, table)
+        poll_until([pair.d, pair.p], lambda o: job.layers is not None and job.layers.inflight == 0)
+        pair.d.shutdown()
+        d_alive = False
+        deadline = time.monotonic() + 20
+        layer = 1
+        while not (job.layers is not None and job.layers.failed):  # the next layers go to a dead D
+            assert time.monotonic() < deadline, "P never saw its WRITEs to a dead D fail"
+            pair.p.push.save_kv_layer("p-lw", layer % 4, 96 + 32 * (layer // 4), table)
+            pair.p.get_finished()
+            layer += 1
+            time.sleep(0.05)
+        pair.p.start_load_kv(StepMetadata(saves=[{"request_id": "p-lw", "block_ids": table}]))
+        poll_until([pair.p], lambda o: "p-lw" in set().union(*(x.finished_sending for x in o)), timeout_s=15)
+        assert not pair.p.push.streaming.get("p-lw")
+        assert pair.p.get_stats()["counters"]["failed_transfers_total"] >= 1
+        assert not pair.p.leases.leases
+    finally:
+        if d_alive:
+            pair.d.shutdown()
+        pair.p.shutdown()
