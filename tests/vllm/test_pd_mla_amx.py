@@ -23,9 +23,8 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import httpx
 import pytest
 from test_pd_mla import (
     BYTES_PER_TOKEN,
@@ -33,10 +32,8 @@ from test_pd_mla import (
     MODEL_DTYPE,
     PROMPTS,
     block_of,
-    d_bytes,
-    settled,
 )
-from vllm_client import metric, token_ids
+from vllm_client import PdPair, metric
 
 from kvlink.connector.secret import new_secret
 from kvlink.integrations.vllm.launch import served_model
@@ -72,21 +69,6 @@ def servers(vllm_servers: VllmServers) -> Iterator[dict[str, Service]]:
         yield dict(zip(SERVERS, started, strict=True))
 
 
-def run(p: Service, d: Service, prompt: str, mode: str) -> tuple[list[int], int]:
-    """D's greedy token ids after P prefilled `prompt` (pull or push), and its token count."""
-    model = served_model(p.url)
-    prefill = httpx.post(p.url + "/v1/completions", timeout=120, json={
-        "model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0,
-        "kv_transfer_params": {"do_remote_decode": True, "transfer_mode": mode}})
-    prefill.raise_for_status()
-    body: dict[str, Any] = prefill.json()
-    answer = httpx.post(d.url + "/v1/completions", timeout=120, json={
-        "model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-        "return_token_ids": True, "kv_transfer_params": body["kv_transfer_params"]})
-    answer.raise_for_status()
-    return token_ids(answer), int(body["usage"]["prompt_tokens"])
-
-
 def expected_bytes(tokens: int, p_block: int, d_block: int) -> int:
     """The N-1 tokens P computed (D recomputes the last prompt token): MLA pages keep a token's
     latent in one run, so D reads whole blocks of the smaller size, whatever the pair."""
@@ -102,10 +84,11 @@ def answers(servers: dict[str, Service]) -> dict[tuple[str, str, int], tuple[lis
         for case, (p, d) in CASES.items():
             for index, text in enumerate(PROMPTS):
                 server = servers[d]
-                before, checked = d_bytes(server), metric(server.url, VERIFIED)
-                got, tokens = run(servers[p], server, f"(amx {mode}) {text}", mode)
-                read = expected_bytes(tokens, block_of(servers[p]), block_of(server)) if mode == "pull" else 0
-                nbytes = settled(server, before, read)
+                checked = metric(server.url, VERIFIED)
+                pd = PdPair(servers[p], server, served_model(server.url))
+                prompt = f"(amx {mode}) {text}"
+                got, _, nbytes = pd.run(prompt, mode)  # D's bytes read: a push is P's WRITE
+                tokens = pd.tokens(prompt)
                 deadline = time.monotonic() + 5
                 while metric(server.url, VERIFIED) == checked and time.monotonic() < deadline:
                     time.sleep(0.1)
@@ -151,15 +134,14 @@ def test_d_prefix_hit_moves_only_the_rest(servers: dict[str, Service]) -> None:
     """AMX_MLA keeps vLLM's prefix cache: the second time D holds every full block of the prompt
     and loads only the last, partial one (the answers are not compared: a prefix hit takes
     vLLM's extend path, which answers differently on its own)."""
-    p, d = servers["a32"], servers["h32"]
+    pd = PdPair(servers["a32"], servers["h32"], served_model(servers["a32"].url))
     prompt = f"(amx hit) {PROMPTS[2]}"
-    before = d_bytes(d)
-    _, tokens = run(p, d, prompt, "pull")
+    tokens = pd.tokens(prompt)
+    _, _, first = pd.run(prompt, "pull")
     whole = expected_bytes(tokens, 32, 32)
-    assert settled(d, before, whole) == whole
-    before = d_bytes(d)
-    second, _ = run(p, d, prompt, "pull")
+    assert first == whole
+    second, _, nbytes = pd.run(prompt, "pull")
     assert len(second) == MAX_TOKENS
     want = whole - (tokens - 1) // 32 * 32 * BYTES_PER_TOKEN
     assert 0 < want < whole
-    assert settled(d, before, want) == want
+    assert nbytes == want
