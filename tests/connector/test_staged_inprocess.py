@@ -72,12 +72,28 @@ class Pair:
             "logical": logical, "tail": tail, "shipped": shipped, "computed": computed, "p_ids": p_ids,
         }
 
+    def layerwise(self, shipped: int, computed: int = 0, d_prompt_hash: str = "h") -> dict:
+        """Request "lw": P starts prefilling it as a stream (prompt hash "h"), and D asks first,
+        for `d_prompt_hash`'s prompt (the request's dict, as `request`)."""
+        req = self.request("lw", shipped, computed=computed, mode="layerwise", save=False)
+        req["entry"].update(remote_block_ids=[[]], prompt_hash=d_prompt_hash)
+        self.p.start_load_kv(StepMetadata(streams=[{"request_id": "p-lw", "prompt_hash": "h",
+                                                    "num_tokens": shipped}]))
+        self.d.start_load_kv(StepMetadata(loads=[req["entry"]]))
+        return req
+
     def check(self, req: dict) -> None:
         tokens = [np.arange(req["computed"], req["shipped"])]
         got = sim.load(self.d_mem, [req["tail"]], tokens, req["computed"])
         want = sim.expected_for(self.d_mem, req["logical"], tokens)
         for layer, rows in want.rows.items():
             np.testing.assert_array_equal(got.rows[layer], rows, err_msg=f"layer {layer}")
+
+
+def _assert_no_push_completion(outs: list) -> None:
+    """D failed request "lw" at its deadline: P never said `pushed`."""
+    failure = next(o.load_failures["lw"] for o in outs if "lw" in o.load_failures)
+    assert failure.stalled and "no push completion" in failure.reason
 
 
 def _finished(outs: list, rids: set[str]) -> bool:
@@ -211,11 +227,8 @@ def test_layerwise_between_kernel_block_sizes_writes_whole_pages_into_staging(
     bytes equal P's, only D's blocks change, and the staging slots and P's lease are freed."""
     pair = Pair(p_kbs, d_kbs, layers=4)
     try:
-        req = pair.request("lw", 200, computed=computed, mode="layerwise", save=False)
-        req["entry"].update(remote_block_ids=[[]], prompt_hash="h")
         before = pair.d_mem.data.copy()
-        pair.p.start_load_kv(StepMetadata(streams=[{"request_id": "p-lw", "prompt_hash": "h", "num_tokens": 200}]))
-        pair.d.start_load_kv(StepMetadata(loads=[req["entry"]]))
+        req = pair.layerwise(200, computed=computed)
         poll_until([pair.d, pair.p], lambda o: bool(pair.p.push.streaming.get("p-lw")))
         (job,) = pair.p.push.streaming["p-lw"]
         table = [req["p_ids"].tolist()]
@@ -254,13 +267,9 @@ def test_layerwise_staging_for_another_prompt_gets_nothing_and_its_slots_wait_ou
     still be writing) before they return."""
     pair = Pair(32, 128, quarantine_s=0.5, layerwise_wait_s=0.001)
     try:
-        req = pair.request("lw", 200, mode="layerwise", save=False)
-        req["entry"].update(remote_block_ids=[[]], prompt_hash="not-p's")
-        pair.p.start_load_kv(StepMetadata(streams=[{"request_id": "p-lw", "prompt_hash": "h", "num_tokens": 200}]))
-        pair.d.start_load_kv(StepMetadata(loads=[req["entry"]]))
+        pair.layerwise(200, d_prompt_hash="not-p's")
         outs = poll_until([pair.d, pair.p], lambda o: _finished(o, {"lw"}), timeout_s=15)
-        failure = next(o.load_failures["lw"] for o in outs if "lw" in o.load_failures)
-        assert failure.stalled and "no push completion" in failure.reason
+        _assert_no_push_completion(outs)
         assert pair.p.get_stats()["counters"]["refused_push_requests_total"] == 1
         assert not pair.p.push.streaming.get("p-lw")
         (pool,) = pair.d._staging.values()
@@ -280,8 +289,6 @@ def test_a_push_request_naming_another_id_space_than_p_plans_is_refused(
     and D fails the load at its deadline with its memory untouched."""
     pair = Pair(p_kbs, d_kbs, layers=2, layerwise_wait_s=0.001)
     try:
-        req = pair.request("lw", 100, mode="layerwise", save=False)
-        req["entry"].update(remote_block_ids=[[]], prompt_hash="h")
         received = pair.p.push.on_push_request
 
         def tamper(msg, now):  # type: ignore[no-untyped-def]
@@ -292,11 +299,9 @@ def test_a_push_request_naming_another_id_space_than_p_plans_is_refused(
 
         pair.p.push.on_push_request = tamper  # type: ignore[method-assign]
         before = pair.d_mem.data.copy()
-        pair.p.start_load_kv(StepMetadata(streams=[{"request_id": "p-lw", "prompt_hash": "h", "num_tokens": 100}]))
-        pair.d.start_load_kv(StepMetadata(loads=[req["entry"]]))
+        pair.layerwise(100)
         outs = poll_until([pair.d, pair.p], lambda o: _finished(o, {"lw"}), timeout_s=15)
-        failure = next(o.load_failures["lw"] for o in outs if "lw" in o.load_failures)
-        assert failure.stalled and "no push completion" in failure.reason
+        _assert_no_push_completion(outs)
         assert pair.p.get_stats()["counters"]["refused_push_requests_total"] == 1
         assert not pair.p.push.streaming.get("p-lw"), "P streamed into a space it does not plan for"
         assert np.array_equal(pair.d_mem.data, before), "P wrote into D"
@@ -312,10 +317,7 @@ def test_p_dying_mid_stream_fails_d_at_its_deadline_and_leaves_nothing_held() ->
     pair = Pair(32, 128, layers=4, layerwise_wait_s=0.001, handshake_timeout_s=1.0, quarantine_s=0.5)
     p_alive = True
     try:
-        req = pair.request("lw", 200, mode="layerwise", save=False)
-        req["entry"].update(remote_block_ids=[[]], prompt_hash="h")
-        pair.p.start_load_kv(StepMetadata(streams=[{"request_id": "p-lw", "prompt_hash": "h", "num_tokens": 200}]))
-        pair.d.start_load_kv(StepMetadata(loads=[req["entry"]]))
+        req = pair.layerwise(200)
         poll_until([pair.d, pair.p], lambda o: bool(pair.p.push.streaming.get("p-lw")))
         (job,) = pair.p.push.streaming["p-lw"]
         for layer in range(2):  # the first forward's first two layers, then P is gone
@@ -325,8 +327,7 @@ def test_p_dying_mid_stream_fails_d_at_its_deadline_and_leaves_nothing_held() ->
         p_alive = False
         started = time.monotonic()
         outs = poll_until([pair.d], lambda o: _finished(o, {"lw"}), timeout_s=30)
-        failure = next(o.load_failures["lw"] for o in outs if "lw" in o.load_failures)
-        assert failure.stalled and "no push completion" in failure.reason
+        _assert_no_push_completion(outs)
         assert time.monotonic() - started < 10, "D waited past its deadline"
         assert not pair.d.has_inflight()
         (pool,) = pair.d._staging.values()
@@ -346,11 +347,8 @@ def test_d_dying_mid_stream_stops_p_writing_and_p_frees_at_its_lease() -> None:
     pair = Pair(32, 128, layers=4, p_config={"lease_s": 1.0})
     d_alive = True
     try:
-        req = pair.request("lw", 200, mode="layerwise", save=False)
-        req["entry"].update(remote_block_ids=[[]], prompt_hash="h")
+        req = pair.layerwise(200)
         table = [req["p_ids"].tolist()]
-        pair.p.start_load_kv(StepMetadata(streams=[{"request_id": "p-lw", "prompt_hash": "h", "num_tokens": 200}]))
-        pair.d.start_load_kv(StepMetadata(loads=[req["entry"]]))
         poll_until([pair.d, pair.p], lambda o: bool(pair.p.push.streaming.get("p-lw")))
         (job,) = pair.p.push.streaming["p-lw"]
         pair.p.push.save_kv_layer("p-lw", 0, 96, table)
