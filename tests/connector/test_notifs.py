@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 
 from kvlink.connector.notifs import (
     BadNotification,
+    Cancel,
+    Cancelled,
     Done,
     Heartbeat,
     Pushed,
@@ -37,6 +39,22 @@ def test_push_messages_round_trip() -> None:
     assert decode(encode(Pushed("d:9"))) == Pushed("d:9")
     named = Pushed("d:9", ((3, 1, 4), (7,)))  # layerwise: P names its blocks
     assert decode(encode(named, b"s"), b"s") == named
+
+
+@given(ids, ids, ids, st.integers(0, 1024))
+def test_cancel_messages_round_trip(rid: str, d_rid: str, engine: str, rank: int) -> None:
+    assert decode(encode(Cancel(rid, d_rid, engine, rank), b"s"), b"s") == Cancel(rid, d_rid, engine, rank)
+    assert decode(encode(Cancelled(d_rid))) == Cancelled(d_rid)
+
+
+@pytest.mark.parametrize("raw", [b"kvlink1:cancelled:0:", b"kvlink1:cancelled:1:r", b"kvlink1:cancel:0:[]",
+                                 b'kvlink1:cancel:0:{"request_id":"r","d_request_id":"d","d_engine_id":"D"}',
+                                 b'kvlink1:cancel:0:{"request_id":"r","d_request_id":"d","d_engine_id":"D","d_rank":-1}',
+                                 b'kvlink1:cancel:0:{"request_id":"","d_request_id":"d","d_engine_id":"D","d_rank":0}',
+                                 b'kvlink1:cancel:0:{"request_id":"r","d_request_id":"d","d_engine_id":"D","d_rank":true}'])
+def test_bad_cancels_are_refused(raw: bytes) -> None:
+    with pytest.raises(BadNotification):
+        decode(raw)
 
 
 @pytest.mark.parametrize("body", [b"[]", b'{"request_id":"r"}', b'{"request_id":"r","remote_block_ids":[[-1]]}',

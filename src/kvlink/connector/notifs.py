@@ -65,7 +65,27 @@ class Pushed:
     remote_block_ids: tuple[tuple[int, ...], ...] | None = None
 
 
-Notification = Done | Heartbeat | PushRequest | Pushed
+@dataclass(frozen=True)
+class Cancel:
+    """D -> P (push and layerwise): D's `d_request_id` (rank `d_rank` of `d_engine_id`) was
+    aborted while P still had to write it, which P knows as `request_id` (or by that key):
+    write no more into its blocks, and say so."""
+
+    request_id: str
+    d_request_id: str
+    d_engine_id: str
+    d_rank: int
+
+
+@dataclass(frozen=True)
+class Cancelled:
+    """P -> D, answering `Cancel`: nothing of ours is or will be in flight into the blocks of
+    D's `request_id`; D may give them back now."""
+
+    request_id: str
+
+
+Notification = Done | Heartbeat | PushRequest | Pushed | Cancel | Cancelled
 
 
 def encode(msg: Notification, secret: bytes | None = None) -> bytes:
@@ -83,6 +103,12 @@ def _encode_body(msg: Notification) -> bytes:
     if isinstance(msg, PushRequest):
         body = json.dumps({"request_id": msg.request_id, "info": msg.info}, separators=(",", ":"))
         return f"{PREFIX}:push:0:".encode() + body.encode()
+    if isinstance(msg, Cancel):
+        body = json.dumps({"request_id": msg.request_id, "d_request_id": msg.d_request_id,
+                           "d_engine_id": msg.d_engine_id, "d_rank": msg.d_rank}, separators=(",", ":"))
+        return f"{PREFIX}:cancel:0:".encode() + body.encode()
+    if isinstance(msg, Cancelled):
+        return f"{PREFIX}:cancelled:0:{msg.request_id}".encode()
     if msg.remote_block_ids is not None:
         body = json.dumps({"request_id": msg.request_id, "remote_block_ids": msg.remote_block_ids},
                           separators=(",", ":"))
@@ -117,6 +143,10 @@ def decode(raw: bytes, secret: bytes | None = None) -> Notification:
         return Done(rest, count)
     if kind == "pushed" and rest and count == 0:
         return Pushed(rest)
+    if kind == "cancelled":
+        if not rest or count != 0:
+            raise BadNotification(f"cancelled notification needs a request id: {text[:80]!r}")
+        return Cancelled(rest)
     try:
         body = json.loads(rest)
     except ValueError:
@@ -137,4 +167,10 @@ def decode(raw: bytes, secret: bytes | None = None) -> Notification:
                 and isinstance(body.get("info"), dict)):
             raise BadNotification("push request must carry request_id and info")
         return PushRequest(body["request_id"], body["info"])
+    if kind == "cancel":
+        if not (isinstance(body, dict) and all(isinstance(body.get(k), str) and body[k]
+                                               for k in ("request_id", "d_request_id", "d_engine_id"))
+                and type(body.get("d_rank")) is int and body["d_rank"] >= 0):
+            raise BadNotification("cancel must carry request_id, d_request_id, d_engine_id and d_rank")
+        return Cancel(body["request_id"], body["d_request_id"], body["d_engine_id"], body["d_rank"])
     raise BadNotification(f"unknown notification kind {kind!r}")
