@@ -124,6 +124,26 @@ def test_abort_before_allocation_notifies_prefill() -> None:
     assert [n["remote_request_id"] for n in s.build_step_metadata().notify_only] == ["p-1"]
 
 
+@pytest.mark.parametrize("mode", ["pull", "push", "layerwise"])
+def test_abort_during_a_push_load_cancels_it_and_nothing_else(mode: str) -> None:
+    """A push or layerwise load in flight is P's to stop (`cancels`); a pull's READ is ours
+    and ends by itself; a load that already ended cancels nothing."""
+    s = NixlScheduler(unsigned("D"), tp_size=1)
+    for rid in ("d1", "d2"):
+        blocks = [] if mode == "layerwise" else [[4, 5]]  # layerwise: P has not allocated yet
+        req = RequestView(rid, list(range(17)), p_params(transfer_mode=mode, remote_request_id=f"p-{rid}",
+                                                         remote_block_ids=blocks))
+        s.on_new_request(req)
+        assert s.get_num_new_matched_tokens(req, 0) == (16, True)
+        s.update_state_after_alloc(req, [[1, 2]], 16, 0)
+    s.build_step_metadata()
+    s.update_connector_output(WorkerOutput(finished_recving={"d2"}))
+    for rid in ("d1", "d2"):
+        assert s.request_finished(RequestView(rid, list(range(17)), {}), [[1, 2]], aborted=True) == (False, None)
+    step = s.build_step_metadata()
+    assert step.cancels == ([] if mode == "pull" else ["d1"]) and not step.notify_only
+
+
 def test_heartbeats_grouped_per_engine_at_interval() -> None:
     clock = Clock()
     s = NixlScheduler(unsigned("D", lease_s=6.0), tp_size=1, clock=clock)

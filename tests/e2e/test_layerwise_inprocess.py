@@ -219,3 +219,78 @@ def test_layerwise_for_another_prompt_writes_nothing(hybrid_pair: tuple[LLMEngin
     assert failure.error_kind == "kv_load_stalled", failure
     run_until([d, p], lambda: not d.has_unfinished() and not p.has_unfinished(), outputs)
     assert_idle([p, d])
+
+
+def _warm_up(p: LLMEngine, d: LLMEngine, prompt: list[int], outputs: dict[str, list[RequestOutput]]) -> None:
+    """One layerwise request connects P to D (once per D rank, as in a server that runs)."""
+    d.add_request("d0", prompt[:30], SamplingParams(max_tokens=2), layerwise_params(p, "p0"))
+    p.add_request("p0", prompt[:30], SamplingParams(max_tokens=1), P_PARAMS)
+    run_until([d, p], lambda: not d.has_unfinished() and not p.has_unfinished(), outputs)
+
+
+def _counter(engine: LLMEngine, name: str) -> int:
+    assert isinstance(engine.worker, NixlWorker)
+    return int(engine.worker.stats.counters.get(name, 0))
+
+
+@pytest.mark.parametrize("when", ["before P has the request", "mid-forward"])
+def test_client_leaving_a_layerwise_request_gives_the_blocks_back_once_p_stopped(
+        hybrid_pair: tuple[LLMEngine, LLMEngine, NixlWorker], when: str) -> None:
+    """The client leaves after D asked P for the layers (the proxy aborts the request on D):
+    D keeps its blocks while P may still write into them, asks P to stop, and gives them
+    back as soon as P answers, long before D's deadline; P writes no more for it (the rest
+    of its forward included), frees its own blocks without waiting for its lease, and the
+    next request on the same pair is exact."""
+    p, d, p_worker = hybrid_pair
+    generator = torch.Generator().manual_seed(11)
+    prompt = torch.randint(100, 40000, (90,), generator=generator).tolist()
+    outputs: dict[str, list[RequestOutput]] = {}
+    _warm_up(p, d, prompt, outputs)
+    writes_before, layers = len(p_writes(p_worker)), p.model.spec.num_layers
+    d.add_request("d1", prompt, SamplingParams(max_tokens=4), layerwise_params(p, "p1"))
+    for _ in range(3):  # D allocates and sends its push request
+        d.step()
+    assert d.requests["d1"].status is RequestStatus.WAITING_FOR_REMOTE_KV
+    left = time.monotonic()
+    if when == "before P has the request":
+        assert d.abort("d1")
+        d.step()  # D's worker asks P to stop
+        assert "d1" in d.held, "D gave its blocks back before P said it writes no more"
+        p.step()  # P takes the cancel (with D's push request) and answers
+    else:
+        sink = p.runner.layer_sink
+        assert sink is not None
+
+        def client_leaves_during_layer_1(rid: str, layer: int, computed: int, tables: Any) -> None:
+            sink(rid, layer, computed, tables)
+            if rid == "p1" and layer == 1 and "d1" in d.requests:
+                assert d.abort("d1")
+                d.step()
+                assert "d1" in d.held, "D gave its blocks back while P's forward still writes them"
+
+        p.runner.layer_sink = client_leaves_during_layer_1
+        try:
+            p.add_request("p1", prompt, SamplingParams(max_tokens=1), P_PARAMS)
+            p.step()  # the whole prefill: P takes D's cancel only once its forward is over
+        finally:
+            p.runner.layer_sink = sink
+    run_until([d, p], lambda: "d1" not in d.held, outputs)
+    took = time.monotonic() - left
+    assert took < 2.0, f"D held the blocks {took:.1f} s (its deadline is 6 s)"
+    writes = p_writes(p_worker)[writes_before:]
+    if when == "before P has the request":
+        assert not writes, "P wrote for a request D had cancelled"
+    else:  # at most the forward's layers, never the `pushed` WRITE that ends a push
+        assert 1 <= len(writes) <= layers, [w.nbytes for w in writes]
+    assert _counter(d, "cancelled_loads_total") == 1 and _counter(p, "cancelled_pushes_total") == 1
+    if "p1" not in p.requests and "p1" not in p.held:
+        p.add_request("p1", prompt, SamplingParams(max_tokens=1), P_PARAMS)  # the prefill D no longer wants
+    run_until([d, p], lambda: not d.has_unfinished() and not p.has_unfinished(), outputs)
+    assert time.monotonic() - left < 4.0, "P held its blocks until its lease ran out"
+    assert_idle([p, d])
+    # The same pair serves the next request exactly.
+    d.add_request("d2", prompt, SamplingParams(max_tokens=4), layerwise_params(p, "p2"))
+    p.add_request("p2", prompt, SamplingParams(max_tokens=1), P_PARAMS)
+    run_until([d, p], lambda: not d.has_unfinished() and not p.has_unfinished(), outputs)
+    assert [t for out in outputs["d2"] for t in out.new_token_ids] == plain_answer(p.model, prompt, 4)
+    assert_idle([p, d])

@@ -54,6 +54,9 @@ class StepMetadata:
     # P inside vLLM (layerwise): the stream requests this step's forward computes, with their
     # block ids so far and the tokens computed once it ends ({"request_id", "block_ids", "end"}).
     layer_progress: list[dict[str, Any]] = field(default_factory=list)
+    # D: requests aborted while their push or layerwise load waited for P's WRITEs. The
+    # workers ask P to stop and give the blocks back once P answers (else at the deadline).
+    cancels: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

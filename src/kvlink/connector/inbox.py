@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import logging
 
+from kvlink.connector.cancels import on_cancelled
 from kvlink.connector.lease import LeaseTable
 from kvlink.connector.notifs import (
     BadNotification,
+    Cancel,
+    Cancelled,
     Done,
     Heartbeat,
     Pushed,
@@ -51,3 +54,7 @@ def drain_notifications(agent: NixlAgent, secret: bytes | None, stats: Connector
                 push.on_push_request(msg, now)
             elif isinstance(msg, Pushed):
                 push.on_pushed(msg.request_id, sender, msg.remote_block_ids)
+            elif isinstance(msg, Cancel):
+                push.on_cancel(msg)
+            elif isinstance(msg, Cancelled):
+                on_cancelled(push.worker, msg.request_id, sender)

@@ -38,6 +38,9 @@ class Load:
     check: LoadCheck | None = None
     # push mode: D's own plan of what the sources write, for the check after `pushed`
     push_specs: list[Any] = field(default_factory=list)
+    # push mode, the request aborted: we asked the sources to stop (`Cancel`), and these answered
+    cancelled: bool = False
+    cancel_acks: set[str] = field(default_factory=set)
 
     # per READ (by id): the digest slices it also carried, (bytes, descriptors, descriptors
     # once NIXL merged those that follow on), kept out of the KV figures

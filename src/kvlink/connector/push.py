@@ -19,7 +19,7 @@ import numpy as np
 from kvlink.connector.handshakes import HandshakeRunner
 from kvlink.connector.layerwise import LayerProgress, Stream, tokens_ready
 from kvlink.connector.loads import Load, complete_push, transfer_record
-from kvlink.connector.notifs import Pushed, PushRequest, encode
+from kvlink.connector.notifs import Cancel, Cancelled, Pushed, PushRequest, encode
 from kvlink.connector.remote import RemoteEngine, connect_writer, release_engine
 from kvlink.connector.worker_parts import WorkerParts
 from kvlink.layout.geometry import WorkerGeometry
@@ -68,6 +68,7 @@ class PushWriter:
         self.stream_keys: dict[str, str] = {}  # D's name for a stream -> P's request id
         self.streaming: dict[str, list[_Job]] = {}
         self.layer_writes: dict[int, _Job] = {}
+        self.cancelled: list[_Job] = []  # D asked us to stop: answered once their WRITEs landed
         self.take_requests: Callable[[], None] | None = None  # the worker's: new push requests, now
         # D side: what runs once every source pushed (the worker's check of the load, if any),
         # and whether a load will be checked (then its sources wait for our `done` to free)
@@ -221,6 +222,57 @@ class PushWriter:
     def on_push_request(self, msg: PushRequest, now: float) -> None:
         self.jobs.append(_Job(msg, now))
 
+    def on_cancel(self, msg: Cancel) -> None:
+        """D's request ended before we finished writing it: drop its jobs (the WRITEs already
+        posted still land) and answer once nothing of ours is in flight into its blocks."""
+        def asked(job: _Job) -> bool:
+            info = job.request.info
+            return (info.get("d_request_id") == msg.d_request_id and info.get("d_engine_id") == msg.d_engine_id
+                    and info.get("d_rank") == msg.d_rank)
+
+        if any(asked(job) for _, _, job in self.writes.values()):
+            return  # its last WRITE is in flight, and `pushed` with it: that is D's answer
+        found = [job for job in self.jobs if asked(job)]
+        if not found:
+            log.info("cancel of %s from %s ignored: no push of it waits here", msg.d_request_id, msg.d_engine_id)
+            return
+        self.jobs = [job for job in self.jobs if not asked(job)]
+        for job in found:
+            self._unstream(job)
+        self.cancelled += found
+        self.worker.stats.count("cancelled_pushes_total", len(found))
+
+    def _answer_cancels(self, now: float) -> None:
+        keep = []
+        for job in self.cancelled:
+            if job.layers is not None and job.layers.inflight:
+                keep.append(job)
+                continue
+            info = job.request.info
+            d_engine, d_rank = str(info["d_engine_id"]), int(info["d_rank"])
+            reader = self.readers.get((d_engine, d_rank))
+            d_deadline = info.get("d_deadline_ms")
+            if reader is None and isinstance(d_deadline, (int, float)) and time.time() * 1000 < d_deadline:
+                # Not connected to that D yet (it cancelled before we got to it): connect to
+                # answer, while an answer still helps D.
+                key = (d_engine, str(info["d_host"]), int(info["d_port"]), d_rank)
+                if not self.handshakes.pending(key):
+                    self.handshakes.request(key, key[1], key[2], d_engine, [d_rank])
+                keep.append(job)
+                continue
+            self._end_cancelled(job, reader, now)
+        self.cancelled = keep
+
+    def _end_cancelled(self, job: _Job, reader: RemoteEngine | None, now: float) -> None:
+        """Answer D (when connected to it) and count the cancel as its `done` for our lease."""
+        info = job.request.info
+        if reader is not None:
+            h = reader.handles[int(info["d_rank"])]
+            self.worker.send(h.agent_name, encode(Cancelled(str(info["d_request_id"])), self.worker.secret))
+        self.worker.leases.notify(self.resolve(job.request.request_id), int(info["expected"]), now)
+        log.info("push of %s to %s rank %s cancelled by D%s", self.resolve(job.request.request_id),
+                 info["d_engine_id"], info["d_rank"], "" if reader is not None else " (not answered: not connected)")
+
     def save_kv_layer(self, request_id: str, layer: int, computed: int, tables: list[Any]) -> None:
         """After `layer` of a forward of `request_id`: WRITE that layer's chunks that are now
         complete to every D rank that asked, if their connection is ready."""
@@ -297,6 +349,9 @@ class PushWriter:
                 # D is unreachable: drop its pending pushes (D fails them at its own deadline)
                 # rather than handshaking again on every poll.
                 self.jobs = [job for job in self.jobs if not _for_reader(job, d_engine, d_rank)]
+                for job in [j for j in self.cancelled if _for_reader(j, d_engine, d_rank)]:
+                    self.cancelled.remove(job)
+                    self._end_cancelled(job, None, now)
                 continue
             try:
                 self.readers[(d_engine, d_rank)] = connect_writer(
@@ -304,6 +359,7 @@ class PushWriter:
             except Exception as exc:
                 w.stats.count("refused_peers_total")
                 log.error("refusing push reader %s rank %d: %s", d_engine, d_rank, exc)
+        self._answer_cancels(now)
         keep = []
         wall_ms = time.time() * 1000
         for job in self.jobs:

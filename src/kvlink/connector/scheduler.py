@@ -200,6 +200,10 @@ class NixlScheduler(ConnectorScheduler):
         if remote is not None and not remote.loaded and not is_layerwise(remote.params):
             # Aborted before D allocated: P must not wait for the lease to run out.
             self._step.notify_only.append(self._entry(request.request_id, remote.params))
+        elif remote is not None and remote.loaded and remote.params.transfer_mode in ("push", "layerwise"):
+            # Aborted while P is to write into our blocks (the load has not ended, or it
+            # would be gone): P must stop before the blocks can go back.
+            self._step.cancels.append(request.request_id)
         if not wants_remote_decode(request.kv_transfer_params):
             return False, None
         if aborted or not any(block_ids):

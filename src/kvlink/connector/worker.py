@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 
 from kvlink.connector.api import ConnectorWorker, LoadFailure, StepMetadata, WorkerOutput
+from kvlink.connector.cancels import cancel_load
 from kvlink.connector.config import ConnectorConfig
 from kvlink.connector.digest_table import DigestSlotPools, DigestTable
 from kvlink.connector.directory import EngineDirectory
@@ -165,10 +166,21 @@ class NixlWorker(ConnectorWorker):
         self._waiting += [("notify", e) for e in metadata.notify_only]
         self._waiting += [("heartbeat", e) for e in metadata.heartbeats if self.directory.known(e)]
         self._advance()
+        for rid in metadata.cancels:
+            self._cancel(rid)
         if self.push is not None and self.push.waiting_for_d():
             # Layerwise: a push request that came in since the last poll must be attached
             # before this step's forward, or that forward's layers leave only at its end.
             self._take_push_requests()
+
+    def _cancel(self, rid: str) -> None:
+        """D: `rid` ended while its push or layerwise load was in flight (kvlink.connector.cancels)."""
+        if cancel_load(self, rid, self.tp_rank):
+            return
+        waiting = [(kind, e) for kind, e in self._waiting if kind == "load" and e["request_id"] == rid]
+        if waiting:  # not started (a handshake first): nothing was asked of P, nothing written
+            self._waiting = [w for w in self._waiting if w not in waiting]
+            self.fail_request(rid, all_blocks(waiting[0][1]), "cancelled before its load started")
 
     def _take_push_requests(self) -> None:
         if self.agent is None or self.push is None:
