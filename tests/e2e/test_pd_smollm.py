@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 import random
+import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -184,6 +186,38 @@ def test_layerwise_through_the_proxy_equals_colocated(smollm: Cluster) -> None:
     assert body["choices"][0]["text"] == completion_text(colocated_url(smollm), second, 2)[0]
     assert metric(prefill, "kvlink_refused_push_requests_total") == 0
     assert_clean(smollm)
+
+
+def test_client_leaving_a_layerwise_request_frees_d_once_p_stopped(smollm: Cluster) -> None:
+    """The client leaves a layerwise request while P (frozen) has not prefilled it: the proxy
+    drops both legs and D aborts the request, but keeps its blocks while P could still write
+    into them. D asks P to stop; once P runs again and answers, D frees them, long before
+    its layerwise deadline (60 s). P frees too, nothing leaks, and the next request is exact."""
+    proxy, decode, prefill = urls(smollm)
+    assert complete(proxy, "Warm, layer by layer:", 2, **LAYERWISE).status_code == 200  # P knows D
+    prompt = "(client leaves) " + PROMPTS[1]
+    want = completion_text(colocated_url(smollm), prompt, 10)[0]
+    cancelled = metric(decode, "kvlink_cancelled_loads_total")
+    smollm.signal("prefill", signal.SIGSTOP)
+    try:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{proxy}/v1/completions", timeout=2.0, json={
+                "prompt": prompt, "max_tokens": 10, "temperature": 0, **LAYERWISE})
+        deadline = time.monotonic() + 10
+        while metric(decode, "kvlink_cancelled_loads_total") == cancelled:
+            assert time.monotonic() < deadline, "D never asked P to stop"
+            time.sleep(0.1)
+        time.sleep(1.0)
+        engine = smollm.state("decode")["engine"]
+        assert engine["held_requests"] == 1, "D gave its blocks back while P could still write them"
+    finally:
+        smollm.signal("prefill", signal.SIGCONT)
+    resumed = time.monotonic()
+    assert_clean(smollm, timeout_s=20)
+    print(f"[client left, layerwise] instances clean {time.monotonic() - resumed:.1f} s after P resumed")
+    assert metric(prefill, "kvlink_cancelled_pushes_total") >= 1
+    response = complete(proxy, prompt, 10, **LAYERWISE)
+    assert response.status_code == 200 and response.json()["choices"][0]["text"] == want
 
 
 def test_openai_client_through_the_proxy(smollm: Cluster) -> None:

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
@@ -58,6 +59,9 @@ class _Stream:
 
 
 BACKGROUND_POLL_S = 0.001
+# An idle engine still steps this often: a peer's notification may need an answer though no
+# request is here (a layerwise D cancelling a push request this P never got the prompt of).
+IDLE_STEP_S = 0.25
 
 
 class AsyncEngine:
@@ -234,6 +238,7 @@ class AsyncEngine:
             stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, item)
 
     def _run(self) -> None:
+        last_step = time.monotonic()
         try:
             while not self._stopping.is_set():
                 self._run_commands()
@@ -249,6 +254,12 @@ class AsyncEngine:
                 else:
                     self._wake.wait(self.idle_wait_s)
                     self._wake.clear()
+                    if time.monotonic() - last_step >= IDLE_STEP_S:
+                        for output in self.engine.step():
+                            self._deliver(output.request_id, output, bool(output.finished))
+                        last_step = time.monotonic()
+                    continue
+                last_step = time.monotonic()
         except Exception as error:
             logger.exception("engine thread stopped")
             self._fail_everything(f"engine step failed: {error!r}")
