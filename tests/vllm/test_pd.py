@@ -125,6 +125,7 @@ def reference_prompts() -> list[str]:
     prompts += [f"(via {kind}) {PROMPTS[i]}" for kind in ("kvlink", "vllm-router") for i in (0, 2)]
     prompts += ["(prefix) " + PROMPTS[3], "(frozen, recompute) " + PROMPTS[2], "(killed, recompute) " + PROMPTS[1]]
     prompts += ["(frozen) " + PROMPTS[2], "(frozen push, recompute) " + PROMPTS[1]]
+    prompts += ["(client leaves, layerwise) " + PROMPTS[2]]
     prompts += [f"(layerwise) {p}" for p in PROMPTS]
     prompts += [f"(layerwise {tag}) {PROMPTS[i]}" for tag in ("32->128", "128->32") for i in LAYERWISE_STAGED]
     return prompts
@@ -456,6 +457,51 @@ def test_client_leaving_d_mid_load_frees_p_at_once(pd: PD) -> None:
         pd.decode(pd.b, prompt, params, timeout_s=0.05)
     assert wait_idle(pd, pd.a, "a", within_s=LEASE_S - 3) < LEASE_S - 3  # well before the lease ends
     wait_idle(pd, pd.b, "b", within_s=10)
+
+
+def test_client_leaving_a_layerwise_request_frees_d_once_p_stopped(pd: PD, colocated: Colocated) -> None:
+    """The client leaves a layerwise request while D waits for P's layers (P's workers
+    stopped): vLLM aborts it on D, which keeps the blocks while P could still write into
+    them (vLLM frees them as soon as the load is reported over, so no quarantine could
+    protect them). D asks P to stop; P, running again, reads the cancel at its next step
+    (vLLM does not step an idle engine, so that is its next request) and answers; D frees,
+    long before its layerwise deadline (stall + handshake + 60 s). Nothing leaks, and B
+    answers the same prompt exactly afterwards."""
+    prompt = "(client leaves, layerwise) " + PROMPTS[2]
+    known = pd.prefill(pd.a, "(client leaves, warm) " + PROMPTS[0])  # A's side channel, as a proxy learns it
+    assert pd.decode(pd.b, "(client leaves, warm) " + PROMPTS[0], known).status_code == 200
+    wait_idle(pd, pd.a, "a", 20)
+    params = {key: known[key] for key in ("remote_engine_id", "remote_host", "remote_port", "tp_size")}
+    params.update(do_remote_prefill=True, transfer_mode="layerwise", remote_request_id="client-leaves-1",
+                  remote_block_ids=[])
+    cancelled = worker_counter(pd, "b", "cancelled_loads_total")
+    frozen = workers_of(pd.a)
+    for proc in frozen:
+        proc.send_signal(signal.SIGSTOP)
+    try:
+        with pytest.raises(httpx.TimeoutException):
+            pd.decode(pd.b, prompt, params, timeout_s=2.0)
+        deadline = time.monotonic() + 10
+        while worker_counter(pd, "b", "cancelled_loads_total") == cancelled:
+            assert time.monotonic() < deadline, "D never asked P to stop"
+            time.sleep(0.2)
+        time.sleep(1.0)
+        assert vllm_metric(pd.b, "vllm:kv_cache_usage_perc") > 0, "D freed while P could still write"
+    finally:
+        for proc in frozen:
+            proc.send_signal(signal.SIGCONT)
+    # vLLM steps an idle engine never: A reads D's cancel at its next step, its next request.
+    time.sleep(2.0)
+    assert vllm_metric(pd.b, "vllm:kv_cache_usage_perc") > 0, "D freed before P answered"
+    resumed = time.monotonic()
+    following = pd.prefill(pd.a, "(client leaves, next) " + PROMPTS[1])
+    took = wait_idle(pd, pd.b, "b", within_s=20)
+    print(f"[client left, layerwise] D idle {took:.1f} s after P's next request "
+          f"({time.monotonic() - resumed:.1f} s with it)")
+    assert pd.decode(pd.b, "(client leaves, next) " + PROMPTS[1], following).status_code == 200
+    wait_idle(pd, pd.a, "a", within_s=20)
+    assert worker_counter(pd, "a", "cancelled_pushes_total") >= 1
+    assert pd.run(pd.a, pd.b, prompt)[0] == colocated(prompt)
 
 
 def test_p_killed_after_prefill(pd: PD, colocated: Colocated) -> None:
