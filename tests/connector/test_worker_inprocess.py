@@ -33,13 +33,13 @@ def poll_until(workers: list[NixlWorker], cond, timeout_s: float = 10.0) -> list
 
 
 @contextlib.contextmanager
-def worker_pair(d_verify_kv: str) -> Iterator[tuple[sim.WorkerMemory, NixlWorker, NixlWorker]]:
+def worker_pair(d_verify_kv: str, p_verify_kv: str = "sample") -> Iterator[tuple[sim.WorkerMemory, NixlWorker, NixlWorker]]:
     """A P and a D worker of the tiny hybrid (block 16, 32 blocks) registered over real NIXL;
     yields (P's memory, P, D) and shuts both down."""
     model = TINY_HYBRID
     p_mem = real_worker(model, 1, 0, 16, 16, 32, seed=1)
     d_mem = real_worker(model, 1, 0, 16, 16, 32, seed=2)
-    p = NixlWorker(ConnectorConfig("P", side_channel_port=0), model, 1, 0, 16, 16, 32)
+    p = NixlWorker(ConnectorConfig("P", side_channel_port=0, verify_kv=p_verify_kv), model, 1, 0, 16, 16, 32)
     d = NixlWorker(ConnectorConfig("D", side_channel_port=0, verify_kv=d_verify_kv), model, 1, 0, 16, 16, 32)
     try:
         p.register_kv_caches(*region_sizes(p_mem))
@@ -189,3 +189,37 @@ def test_a_load_that_cannot_start_fails_alone_and_the_worker_goes_on() -> None:
         outs = poll_until([d, p], lambda o: any("good" in x.finished_recving for x in o))
         failed = {rid: f for x in outs for rid, f in x.load_failures.items()}
         assert set(failed) == {"bad"} and "IndexError" in failed["bad"].reason
+
+
+@pytest.mark.parametrize("p_verify_kv", ["off", "sample"])
+def test_a_checking_d_counts_and_names_loads_from_a_p_that_keeps_no_digests(
+        p_verify_kv: str, caplog: pytest.LogCaptureFixture) -> None:
+    """D checks (sample) but P runs with verification off: the loads finish unchecked, and
+    D says so, counting each (`kv_unchecked_loads_total`) and warning once for that P. With
+    P sealing (the control) the same loads are checked and nothing is counted."""
+    model = TINY_HYBRID
+    n = 40
+    with worker_pair("sample", p_verify_kv) as (p_mem, p, d):
+        logical = sim.make_logical(model, n, np.random.default_rng(5))
+        prompt = list(range(200, 200 + n))
+        for i, (p_ids, d_ids) in enumerate([([[5, 9, 2], [7]], [[1, 3, 30], [4]]),
+                                            ([[10, 11, 12], [13]], [[14, 15, 16], [17]])]):
+            sim.store(p_mem, logical, [np.array(x, dtype=np.int64) for x in p_ids], [np.arange(n - 1), np.arange(0)])
+            entry = {"request_id": f"p{i}", "block_ids": p_ids, "token_ids": prompt[:-1], "num_tokens": n - 1}
+            p.start_load_kv(StepMetadata(saves=[entry]))
+            d.start_load_kv(StepMetadata(loads=[{
+                "request_id": f"d{i}", "remote_request_id": f"p{i}", "remote_engine_id": "P",
+                "remote_host": "127.0.0.1", "remote_port": p.side_channel_port, "remote_tp_size": 1,
+                "remote_block_ids": p_ids, "transfer_mode": "pull", "local_block_ids": d_ids,
+                "local_computed_tokens": 0, "num_tokens": n - 1, "token_ids": prompt[:-1]}]))
+            outs = poll_until([d, p], lambda o, i=i: any(f"d{i}" in x.finished_recving for x in o))
+            assert not any(x.failed_recving for x in outs)
+        counters = d.stats.counters
+        warnings = [r for r in caplog.records if "go unchecked" in r.getMessage()]
+        if p_verify_kv == "off":
+            assert counters.get("kv_unchecked_loads_total") == 2
+            assert not counters.get("kv_verified_units_total")
+            assert len(warnings) == 1 and "loads from P go unchecked" in warnings[0].getMessage()
+        else:
+            assert not counters.get("kv_unchecked_loads_total")
+            assert counters["kv_verified_units_total"] > 0 and not warnings

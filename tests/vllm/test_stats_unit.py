@@ -55,6 +55,7 @@ def test_deltas_of_cumulative_counters_and_the_reduced_log_line() -> None:
 def test_integrity_counters_are_forwarded_and_leases_apart_from_failed_transfers() -> None:
     for name in ("kv_checksum_mismatch_total", "kv_verified_units_total", "kv_verified_bytes_total",
                  "kv_digest_rereads_total", "kv_unsealed_loads_total", "kv_unverifiable_units_total",
+                 "kv_unchecked_loads_total", "cancelled_loads_total", "cancelled_pushes_total",
                  "expired_leases_total", "failed_transfers_total"):
         assert name in COUNTERS
     sent = Forwarded()
@@ -145,6 +146,7 @@ def test_prometheus_series_for_counters_gauges_and_engines() -> None:
     assert sample(text, "vllm:kvlink_expired_leases_total") == 1
     assert sample(text, "vllm:kvlink_failed_transfers_total") == 1  # a counter of its own
     assert sample(text, "vllm:kvlink_kv_unsealed_loads_total") == 0
+    assert sample(text, "vllm:kvlink_kv_unchecked_loads_total") == 0
     assert sample(text, "vllm:kvlink_pending_sends") == 1 and sample(text, "vllm:kvlink_pending_send_blocks") == 2
     assert f'vllm:kvlink_handshakes_total{labels},remote_engine="prefill-a"}} 1.0' in text
     assert f'vllm:kvlink_failed_handshakes_by_engine_total{labels},remote_engine="prefill-b"}} 1.0' in text

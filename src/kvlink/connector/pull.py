@@ -9,6 +9,7 @@ the rest and fails the request with exactly its blocks named.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -32,6 +33,8 @@ from kvlink.transfer.agent import NixlAgent
 from kvlink.transfer.inflight import InflightTracker
 from kvlink.transfer.xfer import Transfer, TransferFailed
 
+log = logging.getLogger("kvlink.connector")
+
 
 class PullReader:
     """Built at registration; `engines` is the worker's directory of remote engines by id."""
@@ -47,6 +50,7 @@ class PullReader:
         self.inflight = inflight
         self.engines = engines
         self._local_pages: LocalPages | None = None
+        self._warned_unchecked: set[str] = set()
 
     def start(self, engine: RemoteEngine, entry: dict[str, Any]) -> bool:
         """Post a load's READs (or fail it); False while it waits for staging slots."""
@@ -68,6 +72,7 @@ class PullReader:
         except (ValueError, KeyError, TypeError, IndexError) as exc:
             w.fail_request(rid, all_blocks(entry), f"cannot plan request: {exc}", bad_params=True)
             return True
+        self.note_unchecked(engine, entry)
         try:
             check = self.verifier.prepare(engine, entry, specs)
         except NoDigestSlots:
@@ -292,10 +297,23 @@ class PullReader:
         the digest rows of blocks it reused)."""
         return self.verifier.applies(engine) and bool(entry.get("token_ids")) and engine.plan is not None
 
+    def note_unchecked(self, engine: RemoteEngine, entry: dict[str, Any]) -> None:
+        """Count a load that goes unchecked although this D checks (its P keeps no digests:
+        `--verify-kv off` there), and say so once per P engine."""
+        if self.verifier.mode == "off" or engine.digest_slots or not entry.get("token_ids"):
+            return
+        self.worker.stats.count("kv_unchecked_loads_total")
+        if engine.engine_id not in self._warned_unchecked:
+            self._warned_unchecked.add(engine.engine_id)
+            log.warning("loads from %s go unchecked: this D checks KV (--verify-kv %s) but that P "
+                        "keeps no digests (it runs with verification off)", engine.engine_id, self.verifier.mode)
+
     def check_pushed(self, load: Load) -> None:
         """Push mode: every source wrote; read their digest slices, then judge the load."""
         engine = self.engines.get(load.entry["remote_engine_id"])
         if engine is None or not self.will_check(engine, load.entry):
+            if engine is not None:
+                self.note_unchecked(engine, load.entry)
             self.finish_push(load)
             return
         assert engine.plan is not None

@@ -41,6 +41,7 @@ class ConnectorStats:
             # on their increase sees the first mismatch.
             "kv_checksum_mismatch_total": 0,
             "kv_unsealed_loads_total": 0,
+            "kv_unchecked_loads_total": 0,
             "kv_verified_units_total": 0,
             "kv_verified_bytes_total": 0,
             "kv_sealed_bytes_total": 0,

@@ -32,6 +32,9 @@ COUNTERS = {
     "kv_early_seals_total": "kvlink requests P sealed right after the forward that completed their prefill.",
     "kv_unsealed_loads_total": "kvlink loads whose digests never matched the request's tokens (the load failed).",
     "kv_unverifiable_units_total": "kvlink KV units D received but could not check (not held whole).",
+    "kv_unchecked_loads_total": "kvlink loads D left unchecked although it checks: their P keeps no digests.",
+    "cancelled_loads_total": "kvlink push or layerwise loads D asked P to stop (the request ended first).",
+    "cancelled_pushes_total": "kvlink pushes P stopped because D's request ended first.",
 }
 # Levels right now, per worker (`get_stats()["gauges"]`); TP ranks hold the same requests and
 # vLLM's (logical) block ids, so a step's value is the largest over its ranks.
