@@ -300,7 +300,7 @@ class PullReader:
     def note_unchecked(self, engine: RemoteEngine, entry: dict[str, Any]) -> None:
         """Count a load that goes unchecked although this D checks (its P keeps no digests:
         `--verify-kv off` there), and say so once per P engine."""
-        if self.verifier.mode == "off" or engine.digest_slots or not entry.get("token_ids"):
+        if self.verifier.mode == "off" or self.verifier.applies(engine) or not entry.get("token_ids"):
             return
         self.worker.stats.count("kv_unchecked_loads_total")
         if engine.engine_id not in self._warned_unchecked:

@@ -226,9 +226,8 @@ class PushWriter:
         """D's request ended before we finished writing it: drop its jobs (the WRITEs already
         posted still land) and answer once nothing of ours is in flight into its blocks."""
         def asked(job: _Job) -> bool:
-            info = job.request.info
-            return (info.get("d_request_id") == msg.d_request_id and info.get("d_engine_id") == msg.d_engine_id
-                    and info.get("d_rank") == msg.d_rank)
+            return (_for_reader(job, msg.d_engine_id, msg.d_rank)
+                    and job.request.info.get("d_request_id") == msg.d_request_id)
 
         if any(asked(job) for _, _, job in self.writes.values()):
             return  # its last WRITE is in flight, and `pushed` with it: that is D's answer
@@ -255,22 +254,26 @@ class PushWriter:
             if reader is None and isinstance(d_deadline, (int, float)) and time.time() * 1000 < d_deadline:
                 # Not connected to that D yet (it cancelled before we got to it): connect to
                 # answer, while an answer still helps D.
-                key = (d_engine, str(info["d_host"]), int(info["d_port"]), d_rank)
-                if not self.handshakes.pending(key):
-                    self.handshakes.request(key, key[1], key[2], d_engine, [d_rank])
+                self._connect(d_engine, str(info["d_host"]), int(info["d_port"]), d_rank)
                 keep.append(job)
                 continue
             self._end_cancelled(job, reader, now)
         self.cancelled = keep
 
+    def _connect(self, d_engine: str, host: str, port: int, d_rank: int) -> None:
+        """Start the handshake with that D rank, unless one is under way."""
+        key = (d_engine, host, port, d_rank)
+        if not self.handshakes.pending(key):
+            self.handshakes.request(key, host, port, d_engine, [d_rank])
+
     def _end_cancelled(self, job: _Job, reader: RemoteEngine | None, now: float) -> None:
         """Answer D (when connected to it) and count the cancel as its `done` for our lease."""
-        info = job.request.info
+        info, rid = job.request.info, self.resolve(job.request.request_id)
         if reader is not None:
             h = reader.handles[int(info["d_rank"])]
             self.worker.send(h.agent_name, encode(Cancelled(str(info["d_request_id"])), self.worker.secret))
-        self.worker.leases.notify(self.resolve(job.request.request_id), int(info["expected"]), now)
-        log.info("push of %s to %s rank %s cancelled by D%s", self.resolve(job.request.request_id),
+        self.worker.leases.notify(rid, int(info["expected"]), now)
+        log.info("push of %s to %s rank %s cancelled by D%s", rid,
                  info["d_engine_id"], info["d_rank"], "" if reader is not None else " (not answered: not connected)")
 
     def save_kv_layer(self, request_id: str, layer: int, computed: int, tables: list[Any]) -> None:
@@ -399,9 +402,7 @@ class PushWriter:
             # Layerwise, D may ask before P has the request: connect now, the prefill comes later.
             reader = self.readers.get((d_engine, d_rank))
             if reader is None:
-                key = (d_engine, host, port, d_rank)
-                if not self.handshakes.pending(key):
-                    self.handshakes.request(key, host, port, d_engine, [d_rank])
+                self._connect(d_engine, host, port, d_rank)
                 return False
             if int(info.get("staging") or 0) != reader.staged_tokens:
                 # D's ids are of another space than our plan writes into: never guess which

@@ -243,23 +243,18 @@ class AsyncEngine:
             while not self._stopping.is_set():
                 self._run_commands()
                 # has_unfinished() also covers connector work (leases, loads) with no request.
-                if self.engine.has_unfinished():
+                busy = self.engine.has_unfinished()
+                if busy or time.monotonic() - last_step >= IDLE_STEP_S:
                     outputs = self.engine.step()
+                    last_step = time.monotonic()
                     for output in outputs:
                         self._deliver(output.request_id, output, bool(output.finished))
-                    if not outputs:
-                        # Only connector work (leases, loads in flight): poll, don't spin a core.
-                        self._wake.wait(BACKGROUND_POLL_S)
-                        self._wake.clear()
-                else:
-                    self._wake.wait(self.idle_wait_s)
-                    self._wake.clear()
-                    if time.monotonic() - last_step >= IDLE_STEP_S:
-                        for output in self.engine.step():
-                            self._deliver(output.request_id, output, bool(output.finished))
-                        last_step = time.monotonic()
-                    continue
-                last_step = time.monotonic()
+                    if outputs:
+                        continue
+                # Nothing produced: poll connector work (leases, loads in flight) without
+                # spinning a core, or, idle, wait for a request.
+                self._wake.wait(BACKGROUND_POLL_S if busy else self.idle_wait_s)
+                self._wake.clear()
         except Exception as error:
             logger.exception("engine thread stopped")
             self._fail_everything(f"engine step failed: {error!r}")
