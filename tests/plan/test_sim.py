@@ -11,9 +11,10 @@ import sim
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from kvlink.layout.conv_state import conv_layouts, conv_transpose, planning_view, with_conv_layouts
 from kvlink.layout.geometry import build_worker_geometry, packed_base_addrs
 from kvlink.layout.presets import TINY_HYBRID
-from kvlink.layout.spec import GDN, MLA, FullAttention, GroupSpec, Mamba2, ModelSpec, SlidingWindow
+from kvlink.layout.spec import GDN, MLA, ConvLayout, FullAttention, GroupSpec, Mamba2, ModelSpec, SlidingWindow
 from kvlink.plan.compat import IncompatibleLayout, check_configuration
 from kvlink.plan.request import ReadSpec
 from kvlink.plan.tp_mapping import compute_tp_mapping, consumers_per_producer
@@ -114,10 +115,13 @@ def _layerwise_specs(plan: TransferPlan, model: ModelSpec, d_ids: list[np.ndarra
 
 
 def run_scenario(model: ModelSpec, p: Side, d: Side, shipped: int, prefix_blocks: int,
-                 seed: int, page_order: str = "token_major", layerwise: bool = False) -> list[list[int]]:
+                 seed: int, page_order: str = "token_major", layerwise: bool = False,
+                 d_conv: ConvLayout | None = None) -> list[list[int]]:
     """Simulate every D rank; returns, per D rank, the P ranks it read bytes from.
 
-    `layerwise`: the same request moved in parts (token ranges x layers), as P streams it."""
+    `layerwise`: the same request moved in parts (token ranges x layers), as P streams it.
+    `d_conv`: D keeps its SSM conv state in this layout (P in the model's): D plans through
+    its planning view of P's layout and re-lays the state out once the bytes are in."""
     rng = np.random.default_rng(seed)
     prompt = shipped + 1
     computed = prefix_blocks * d.block_size
@@ -146,9 +150,12 @@ def run_scenario(model: ModelSpec, p: Side, d: Side, shipped: int, prefix_blocks
     notified = [0] * p.tp
     read_from: list[list[int]] = []
     has_state = any(sim.group_is_ssm(model, g) for g in range(len(model.groups)))
+    d_model = model if d_conv is None else with_conv_layouts(model, dict.fromkeys(conv_layouts(model), d_conv))
     for rank in range(d.tp):
-        reader = sim.make_worker(model, d.tp, rank, d.block_size, d.kernel_block_size, d_num_blocks, 1, rng,
-                                 page_order)
+        own = sim.make_worker(d_model, d.tp, rank, d.block_size, d.kernel_block_size, d_num_blocks, 1, rng,
+                              page_order)
+        view = planning_view(own.geometry, model)
+        reader = sim.WorkerMemory(view, own.start, own.data, own.writes)
         before = reader.data.copy()
         plan = build_transfer_plan(reader.geometry, geometries)
         specs = plan.request_ids(d_ids, p_ids, shipped, computed)
@@ -162,6 +169,11 @@ def run_scenario(model: ModelSpec, p: Side, d: Side, shipped: int, prefix_blocks
                 sim.execute(plan, part, reader, sources)
         else:
             sim.execute(plan, specs, reader, sources)
+        transpose = conv_transpose(own.geometry, view)
+        if transpose is not None:
+            blocks = {g: [b for s in specs for b in s.local_blocks[g].tolist()] for g in transpose.groups}
+            transpose.apply(blocks, memory=lambda a, n: own.data[a - own.start: a - own.start + n])
+        reader = own
         assert reader.writes.max(initial=0) <= 1, "a destination byte was written twice"
         outside = ~sim.destination_mask(reader, d_ids)
         assert np.array_equal(reader.data[outside], before[outside]), "bytes outside the destination changed"
@@ -171,7 +183,7 @@ def run_scenario(model: ModelSpec, p: Side, d: Side, shipped: int, prefix_blocks
         else:  # a hybrid model gets P's state after `shipped` tokens even with a full D hit
             tokens = _tokens(model, must_start, shipped)
             got = sim.load(reader, d_ids, tokens, computed)
-            want = sim.expected_for(reader, logical, tokens)
+            want = sim.expected_for(reader, sim.in_conv_layouts(logical, model, d_model), tokens)
             for layer, rows in want.rows.items():
                 np.testing.assert_array_equal(got.rows[layer], rows, err_msg=f"layer {layer}")
             for key, state in want.ssm.items():
@@ -229,6 +241,25 @@ def test_layerwise_parts_are_byte_exact(mix: str, p_tp: int, d_tp: int, data: st
     """Token ranges x layers, posted in any order, write every destination byte once and
     rebuild exactly what one whole-request transfer does."""
     _scenario(data, data.draw(models(mix), "model"), p_tp, d_tp, layerwise=True)
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (2, 1), (1, 2), (4, 2), (2, 8)])
+@pytest.mark.parametrize("mix", ["full+mamba2", "full+gdn"])
+@SETTINGS
+@given(data=st.data())
+def test_conv_state_between_layouts_is_exact(mix: str, p_tp: int, d_tp: int, data: st.DataObject) -> None:
+    """P keeps its conv state in one layout, D in the other: D reads it as P lays it out (its
+    planning view), re-lays it out in place, and holds exactly P's state in its own layout;
+    pull and layerwise parts alike."""
+    model = data.draw(models(mix), "model")
+    p, d = data.draw(sides(p_tp), "P"), data.draw(sides(d_tp), "D")
+    if not _valid(model, p, d):
+        return
+    layout = model.groups[1].conv_layout  # type: ignore[union-attr]
+    shipped = data.draw(st.integers(0, 200), "shipped")
+    prefix_blocks = data.draw(st.integers(0, shipped // d.block_size), "prefix blocks")
+    run_scenario(model, p, d, shipped, prefix_blocks, data.draw(st.integers(0, 2**16), "seed"),
+                 layerwise=data.draw(st.booleans(), "layerwise"), d_conv="SD" if layout == "DS" else "DS")
 
 
 def test_layerwise_range_must_sit_on_chunks() -> None:

@@ -40,6 +40,7 @@ from kvlink.connector.api import RequestView, WorkerOutput
 from kvlink.connector.config import ConnectorConfig
 from kvlink.connector.scheduler import NixlScheduler
 from kvlink.connector.secret import SECRET_ENV, new_secret
+from kvlink.layout.conv_state import conv_layouts, with_conv_layouts
 from kvlink.layout.spec import is_ssm
 from kvlink.procs.launcher import free_port
 
@@ -62,7 +63,10 @@ class SimPeer(PeerServer):
         self.start(*kvmem.region_sizes(self.mem))
 
     def _logical(self, seed: int, tokens: int) -> sim.LogicalKV:
-        return sim.make_logical(self.model, tokens, np.random.default_rng(seed))
+        """The request's seeded state, drawn in the DS conv layout whatever this engine keeps,
+        so engines of either layout agree on it."""
+        drawn = with_conv_layouts(self.model, dict.fromkeys(conv_layouts(self.model), "DS"))
+        return sim.in_conv_layouts(sim.make_logical(drawn, tokens, np.random.default_rng(seed)), drawn, self.model)
 
     def _tokens(self, start: int, end: int) -> list[np.ndarray]:
         return [np.zeros(0, dtype=np.int64) if is_ssm(g) else np.arange(start, end, dtype=np.int64)

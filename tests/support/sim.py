@@ -70,6 +70,28 @@ def make_logical(model: ModelSpec, num_tokens: int, rng: np.random.Generator) ->
     return LogicalKV(rows, ssm)
 
 
+def in_conv_layouts(logical: LogicalKV, model: ModelSpec, other: ModelSpec) -> LogicalKV:
+    """The same state keyed by `other`'s SSM parts: `model` and `other` differ only in their
+    conv layouts (a DS part `conv_x` of units `(channels, rows)` is the SD parts `conv_x.r`)."""
+    e = model.dtype_bytes
+    ssm = dict(logical.ssm)
+    for layer, g in enumerate(model.layer_groups):
+        mine, theirs = model.groups[g], other.groups[g]
+        if not is_ssm(mine) or mine == theirs:
+            continue
+        rows = mine.conv_kernel - 1  # type: ignore[union-attr]
+        for part in mine.conv_parts():  # type: ignore[union-attr]
+            if mine.conv_layout == "DS":  # type: ignore[union-attr]
+                units = ssm.pop((layer, part.name)).reshape(part.units, -1, rows, e)
+                for r in range(rows):
+                    ssm[(layer, f"{part.name}.{r}")] = units[:, :, r, :].reshape(part.units, -1).copy()
+        if mine.conv_layout == "SD":  # type: ignore[union-attr]
+            for part in theirs.conv_parts():  # type: ignore[union-attr]
+                per_row = [ssm.pop((layer, f"{part.name}.{r}")).reshape(part.units, -1, 1, e) for r in range(rows)]
+                ssm[(layer, part.name)] = np.concatenate(per_row, axis=2).reshape(part.units, -1)
+    return LogicalKV(logical.rows, ssm)
+
+
 def _row_offsets(region: Region, geometry: WorkerGeometry, ids: Ints, tokens: Ints, first_token: int,
                  start: int) -> Ints:
     """Buffer offsets `[token, row byte]` of each token's logical row for unit slot 0 of an

@@ -26,6 +26,7 @@ from typing import IO, Any
 from kvlink.connector.api import StepMetadata
 from kvlink.connector.config import ConnectorConfig
 from kvlink.connector.worker import NixlWorker
+from kvlink.layout.conv_state import conv_layouts, with_conv_layouts
 from kvlink.layout.presets import preset
 from kvlink.layout.spec import ModelSpec
 
@@ -36,14 +37,18 @@ IDLE_POLL_S = 0.005
 
 
 def model_from_config(cfg: dict[str, Any]) -> ModelSpec:
-    """A preset by name, optionally with fields replaced (`model_overrides`) or cut to `layers`."""
+    """A preset by name, optionally with fields replaced (`model_overrides`), cut to `layers`
+    or with its SSM conv state in `conv_layout`."""
     model = preset(str(cfg.get("model", "hybrid-mamba2")))
     overrides = dict(cfg.get("model_overrides") or {})
     if cfg.get("layers"):
         overrides["layer_groups"] = tuple(model.layer_groups[: int(cfg["layers"])])
     if "layer_groups" in overrides:
         overrides["layer_groups"] = tuple(overrides["layer_groups"])
-    return dataclasses.replace(model, **overrides) if overrides else model
+    model = dataclasses.replace(model, **overrides) if overrides else model
+    if cfg.get("conv_layout"):  # an engine keeping its SSM conv state in another layout
+        model = with_conv_layouts(model, dict.fromkeys(conv_layouts(model), cfg["conv_layout"]))
+    return model
 
 
 def connector_config(cfg: dict[str, Any]) -> ConnectorConfig:

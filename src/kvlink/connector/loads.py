@@ -12,6 +12,7 @@ from kvlink.transfer.xfer import Transfer
 if TYPE_CHECKING:
     from kvlink.connector.checks import LoadCheck
     from kvlink.connector.staging import StagingPool
+    from kvlink.layout.conv_state import ConvTranspose
     from kvlink.plan.staged import StagedRequest
 
 
@@ -38,6 +39,8 @@ class Load:
     check: LoadCheck | None = None
     # push mode: D's own plan of what the sources write, for the check after `pushed`
     push_specs: list[Any] = field(default_factory=list)
+    # a source with another SSM conv layout: what re-lays out the state blocks this load writes
+    conv: tuple[ConvTranspose, dict[int, list[int]]] | None = None
     # push mode, the request aborted: we asked the sources to stop (`Cancel`), and these answered
     cancelled: bool = False
     cancel_acks: set[str] = field(default_factory=set)

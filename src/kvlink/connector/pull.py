@@ -18,7 +18,7 @@ import numpy as np
 
 from kvlink.connector.loads import Load, complete_push
 from kvlink.connector.notifs import Done, encode
-from kvlink.connector.remote import RemoteEngine
+from kvlink.connector.remote import RemoteEngine, conv_blocks
 from kvlink.connector.sealer import Faults
 from kvlink.connector.staging import LocalPages
 from kvlink.connector.verifier import NoDigestSlots, Verifier
@@ -82,6 +82,7 @@ class PullReader:
             return self._wait_for_slots(entry, "free KV digest slots")
         load = w.book.start(rid, entry, all_blocks(entry), w.clock())
         load.check = check
+        load.conv = conv_blocks(engine, specs)
         if staged is not None:
             assert engine.pool is not None
             load.staging = (engine.pool, staged)
@@ -356,13 +357,16 @@ class PullReader:
             self.worker.out.transfer_figures[load.request_id]["kv_relayout_s"] = relayout_s
 
     def relayout(self, load: Load) -> float | None:
-        """Copy a staged load's tokens into our pages and give its slots back; seconds taken."""
+        """Re-lay out a finished load into our own layout: a staged load's tokens from its
+        staging slots into our pages (the slots go back), state blocks that arrived in the
+        source's SSM conv layout into ours. Seconds taken; None when there was nothing to do."""
+        start = time.perf_counter()
+        conv = self._relayout_conv(load)
         if load.staging is None:
-            return None
+            return time.perf_counter() - start if conv else None
         pool, staged = load.staging
         load.staging = None
         w = self.worker
-        start = time.perf_counter()
         try:
             if staged.runs.size:
                 g = self.geometry
@@ -373,6 +377,15 @@ class PullReader:
         elapsed = time.perf_counter() - start
         w.stats.count("relayout_bytes_total", staged.relayout_bytes)
         return elapsed
+
+    def _relayout_conv(self, load: Load) -> bool:
+        if load.conv is None:
+            return False
+        transpose, blocks = load.conv
+        load.conv = None
+        moved = transpose.apply(blocks)
+        self.worker.stats.count("conv_relayout_bytes_total", moved)
+        return True
 
     def local_pages(self) -> LocalPages:
         """Our attention pages as arrays, built at the first staged read."""

@@ -20,7 +20,7 @@ from kvlink.connector.handshakes import HandshakeRunner
 from kvlink.connector.layerwise import LayerProgress, Stream, tokens_ready
 from kvlink.connector.loads import Load, complete_push, transfer_record
 from kvlink.connector.notifs import Cancel, Cancelled, Pushed, PushRequest, encode
-from kvlink.connector.remote import RemoteEngine, connect_writer, release_engine
+from kvlink.connector.remote import RemoteEngine, connect_writer, conv_blocks, release_engine
 from kvlink.connector.worker_parts import WorkerParts
 from kvlink.layout.geometry import WorkerGeometry
 from kvlink.layout.spec import is_ssm
@@ -110,6 +110,7 @@ class PushWriter:
         load.push_bytes = sum(spec.nbytes for spec in specs)
         load.push_descriptors = sum(len(spec.local_idx) for spec in specs)
         load.push_specs = list(specs)
+        load.conv = conv_blocks(engine, specs)
         load.deadline = now + w.config.stall_timeout_s + w.config.handshake_timeout_s
         if layerwise:  # P may still have its queue and the whole prefill ahead of it
             load.deadline += w.config.layerwise_wait_s

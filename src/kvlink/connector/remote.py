@@ -7,7 +7,7 @@ only posts integer index arrays.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -15,9 +15,11 @@ import msgspec
 import numpy as np
 
 from kvlink.connector.digest_table import DigestSlots, table_descs
+from kvlink.layout.conv_state import ConvTranspose, conv_transpose, planning_view
 from kvlink.layout.digests import DigestGeometry, digest_geometry
 from kvlink.layout.geometry import WorkerGeometry
 from kvlink.plan.compat import IncompatibleLayout, check_compatible
+from kvlink.plan.request import ReadSpec
 from kvlink.plan.staged import StagedPlan, build_staged_plan, needs_staging, staging_geometry
 from kvlink.plan.tp_mapping import compute_tp_mapping, consumers_per_producer
 from kvlink.plan.transfer_plan import TransferPlan, build_transfer_plan
@@ -83,9 +85,21 @@ class RemoteEngine:
     # source rank -> the slots its digest slices land in (sources that keep a digest table)
     digest_slots: dict[int, DigestSlots] = field(default_factory=dict)
     digest_geometries: dict[int, DigestGeometry] = field(default_factory=dict)
+    # D side: the source keeps its SSM conv state in another layout; its loads land in that
+    # layout (the plan's local side is our `planning_view`) and are re-laid out into ours
+    conv: ConvTranspose | None = None
 
     def notify_agents(self, ranks: Iterable[int]) -> list[tuple[int, str]]:
         return [(r, self.agents[r]) for r in ranks if r in self.agents]
+
+
+def conv_blocks(engine: RemoteEngine, specs: Sequence[ReadSpec]) -> tuple[ConvTranspose, dict[int, list[int]]] | None:
+    """What re-lays out a load from `engine` once it is in: the state blocks its specs write in
+    the SSM groups whose conv layout differs from ours (None when none does)."""
+    if engine.conv is None:
+        return None
+    blocks = {g: sorted({int(b) for spec in specs for b in spec.local_blocks[g]}) for g in engine.conv.groups}
+    return engine.conv, blocks
 
 
 def check_payload(payload: HandshakePayload, local: WorkerGeometry, engine_id: str) -> WorkerGeometry:
@@ -101,6 +115,7 @@ def check_payload(payload: HandshakePayload, local: WorkerGeometry, engine_id: s
     if geometry.tp_rank != payload.tp_rank or geometry.tp_size != payload.tp_size:
         raise IncompatibleLayout([f"payload says rank {payload.tp_rank}/{payload.tp_size} but its "
                                   f"geometry is rank {geometry.tp_rank}/{geometry.tp_size}"])
+    local = planning_view(local, geometry.model)  # another SSM conv layout: re-laid out on D
     check_compatible(geometry, local)
     if payload.compat_hash != local.model.compat_hash():
         raise IncompatibleLayout([f"model hash {payload.compat_hash} differs from ours "
@@ -126,6 +141,8 @@ def connect_reader(
     remote_tp = next(iter(payloads.values())).tp_size
     sources = {r: geometries[r] for r in _sources(local, remote_tp, geometries)}
     any_source = next(iter(sources.values()))
+    own, local = local, planning_view(local, any_source.model)
+    conv = conv_transpose(own, local)
     staged, pool = None, None
     if staging_for is not None and needs_staging(local, any_source):
         pool = staging_for(any_source.kernel_block_size)
@@ -157,7 +174,8 @@ def connect_reader(
     expected = consumers_per_producer(local.model, remote_tp, local.tp_size)
     return RemoteEngine(engine_id, remote_tp, agents, geometries, plan, handles, expected,
                         staged=staged, pool=pool, metadata=metadata, digest_slots=slots,
-                        digest_geometries={rank: digest_geometry(geometries[rank]) for rank in slots})
+                        digest_geometries={rank: digest_geometry(geometries[rank]) for rank in slots},
+                        conv=conv)
 
 
 def _sources(local: WorkerGeometry, remote_tp: int, geometries: Mapping[int, WorkerGeometry]) -> list[int]:
@@ -175,7 +193,8 @@ def connect_writer(
 
     A reader that must re-lay out our pages (`needs_staging`) is written through the staging
     area it offers for our kernel block size: whole pages, as its staged reads land them."""
-    reader = check_payload(payload, local, engine_id)
+    # A reader with another SSM conv layout gets ours, and re-lays it out once we pushed.
+    reader = planning_view(check_payload(payload, local, engine_id), local.model)
     target = reader
     if needs_staging(reader, local):
         target = writer_staging(reader, payload, local.kernel_block_size)

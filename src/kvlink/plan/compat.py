@@ -68,12 +68,14 @@ def model_mismatches(p_model: ModelSpec, d_model: ModelSpec) -> list[str]:
         found.append(f"group kinds per layer: P has {_layer_kinds(p_model)}, D has {_layer_kinds(d_model)}")
     elif p_model.groups != d_model.groups:
         p_conv, d_conv = _conv_layouts(p_model), _conv_layouts(d_model)
-        if p_conv != d_conv:
-            found.append(f"SSM conv state layout: P has {p_conv!r}, D has {d_conv!r}; kvlink moves the conv "
-                         "state only between equal layouts: give P and D the same VLLM_SSM_CONV_STATE_LAYOUT "
-                         "(or leave it unset on both)")
         if [_without_conv_layout(g) for g in p_model.groups] != [_without_conv_layout(g) for g in d_model.groups]:
             found.append(f"group parameters: P has {p_model.groups}, D has {d_model.groups}")
+        elif p_conv != d_conv:
+            # The connector plans such a pair through `kvlink.layout.conv_state.planning_view`
+            # and re-lays the conv state out on D; a plan between the raw geometries cannot.
+            found.append(f"SSM conv state layout: P has {p_conv!r}, D has {d_conv!r}; plan against the "
+                         "reader's planning_view of the source's layout, then re-lay the conv state out "
+                         "(kvlink.layout.conv_state)")
     if p_model.kv_scales != d_model.kv_scales:
         found.append(f"KV cache scales (k_scale, v_scale): P has {_scales(p_model)}, D has {_scales(d_model)}; "
                      "quantized KV bytes decode only with the scales they were written with")
