@@ -6,6 +6,8 @@ prompt but its last token (so the SSM state it hands over is the one after N-1 t
 D recomputes that token. P and D keep vLLM's default conv-state layout (row-first, "SD"; kvlink
 reads it from vLLM and moves it as it lies); the colocated reference runs channel-first
 (VLLM_SSM_CONV_STATE_LAYOUT=DS), so the equality also shows the two layouts compute the same.
+A third kvlink server runs DS too: between it and the pair, D re-lays the conv state out
+from P's layout into its own.
 All run without prefix caching: vLLM 0.32's CPU build crashes on hybrid
 prompts longer than one block when prefix caching is on (IndexError in mamba_mixer2.py), so a
 D-side prefix hit on a hybrid model cannot run inside vLLM here; kvlink's own engine covers it.
@@ -18,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from vllm_client import complete, load_through, token_ids
+from vllm_client import complete, load_through, metric, token_ids, wait_metric
 
 from kvlink.connector.secret import new_secret
 from kvlink.integrations.vllm.launch import VllmServerSpec, served_model
@@ -38,10 +40,11 @@ PROMPTS = ["The last keeper of the lighthouse was",
 
 
 TP_DIRECTIONS = ("2->1", "1->2")
+CONV_DIRECTIONS = ("DS->SD", "SD->DS")
 
 
 def tagged() -> list[str]:
-    return [f"({mode}) {p}" for mode in ("pull", "push", *TP_DIRECTIONS) for p in PROMPTS]
+    return [f"({mode}) {p}" for mode in ("pull", "push", *TP_DIRECTIONS, *CONV_DIRECTIONS) for p in PROMPTS]
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +112,33 @@ def test_hybrid_heterogeneous_tp_equals_colocated(hybrid_pair: list[Service], hy
     before = d.log_path.read_text(errors="replace").count("kvlink load ")
     assert token_ids(complete(d.url, model, prompt, kv_transfer_params=params)) == references[prompt]
     assert d.log_path.read_text(errors="replace").count("kvlink load ") > before  # loaded, not recomputed
+
+
+@pytest.fixture(scope="module")
+def hybrid_ds(vllm_servers: VllmServers, hybrid_dir: Path, secret: str,
+              hybrid_pair: list[Service]) -> Iterator[Service]:
+    """A server keeping the conv state channel-first (DS), next to the pair's default SD."""
+    spec = vllm_servers.kvlink_spec(hybrid_dir, "hybrid-ds", "0", secret, env=COLOCATED_ENV, args=HYBRID_ARGS)
+    (server,) = vllm_servers.start(spec)
+    yield server
+    vllm_servers.stop(server)
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("direction", CONV_DIRECTIONS)
+@pytest.mark.parametrize("index", range(len(PROMPTS)))
+def test_hybrid_between_conv_layouts_equals_colocated(hybrid_pair: list[Service], hybrid_ds: Service,
+                                                      references: dict[str, list[int]], direction: str,
+                                                      mode: str, index: int) -> None:
+    """P and D keep the conv state in different layouts (one runs VLLM_SSM_CONV_STATE_LAYOUT=DS):
+    D reads it as P lays it out, checks P's digests, then re-lays it out into its own."""
+    p, d = (hybrid_ds, hybrid_pair[1]) if direction == "DS->SD" else (hybrid_pair[0], hybrid_ds)
+    assert "keep their conv state DS" in hybrid_ds.log_path.read_text(errors="replace")
+    model = served_model(p.url)
+    prompt = f"({direction}) {PROMPTS[index]}"
+    relaid = metric(d.url, "vllm:kvlink_conv_relayout_bytes_total")
+    assert load_through(p, d, model, prompt, mode, groups=4) == references[prompt]
+    assert wait_metric(d.url, "vllm:kvlink_conv_relayout_bytes_total", relaid) > relaid
 
 
 def test_the_reference_text_depends_on_the_prompt(references: dict[str, list[int]]) -> None:

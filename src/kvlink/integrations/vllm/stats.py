@@ -35,6 +35,7 @@ COUNTERS = {
     "kv_unchecked_loads_total": "kvlink loads D left unchecked although it checks: their P keeps no digests.",
     "cancelled_loads_total": "kvlink push or layerwise loads D asked P to stop (the request ended first).",
     "cancelled_pushes_total": "kvlink pushes P stopped because D's request ended first.",
+    "conv_relayout_bytes_total": "kvlink SSM conv-state bytes D re-laid out from its P's layout (DS/SD) into its own.",
 }
 # Levels right now, per worker (`get_stats()["gauges"]`); TP ranks hold the same requests and
 # vLLM's (logical) block ids, so a step's value is the largest over its ranks.
