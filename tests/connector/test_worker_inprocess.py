@@ -191,12 +191,14 @@ def test_a_load_that_cannot_start_fails_alone_and_the_worker_goes_on() -> None:
         assert set(failed) == {"bad"} and "IndexError" in failed["bad"].reason
 
 
+@pytest.mark.parametrize("mode", ["pull", "push"])
 @pytest.mark.parametrize("p_verify_kv", ["off", "sample"])
 def test_a_checking_d_counts_and_names_loads_from_a_p_that_keeps_no_digests(
-        p_verify_kv: str, caplog: pytest.LogCaptureFixture) -> None:
+        p_verify_kv: str, mode: str, caplog: pytest.LogCaptureFixture) -> None:
     """D checks (sample) but P runs with verification off: the loads finish unchecked, and
     D says so, counting each (`kv_unchecked_loads_total`) and warning once for that P. With
-    P sealing (the control) the same loads are checked and nothing is counted."""
+    P sealing (the control) the same loads are checked and nothing is counted. D reads the
+    KV (pull) or P writes it (push)."""
     model = TINY_HYBRID
     n = 40
     with worker_pair("sample", p_verify_kv) as (p_mem, p, d):
@@ -210,7 +212,7 @@ def test_a_checking_d_counts_and_names_loads_from_a_p_that_keeps_no_digests(
             d.start_load_kv(StepMetadata(loads=[{
                 "request_id": f"d{i}", "remote_request_id": f"p{i}", "remote_engine_id": "P",
                 "remote_host": "127.0.0.1", "remote_port": p.side_channel_port, "remote_tp_size": 1,
-                "remote_block_ids": p_ids, "transfer_mode": "pull", "local_block_ids": d_ids,
+                "remote_block_ids": p_ids, "transfer_mode": mode, "local_block_ids": d_ids,
                 "local_computed_tokens": 0, "num_tokens": n - 1, "token_ids": prompt[:-1]}]))
             outs = poll_until([d, p], lambda o, i=i: any(f"d{i}" in x.finished_recving for x in o))
             assert not any(x.failed_recving for x in outs)
