@@ -14,7 +14,16 @@ from hypothesis import strategies as st
 from kvlink.layout.conv_state import conv_layouts, conv_transpose, planning_view, with_conv_layouts
 from kvlink.layout.geometry import build_worker_geometry, packed_base_addrs
 from kvlink.layout.presets import TINY_HYBRID
-from kvlink.layout.spec import GDN, MLA, ConvLayout, FullAttention, GroupSpec, Mamba2, ModelSpec, SlidingWindow
+from kvlink.layout.spec import (
+    GDN,
+    MLA,
+    ConvLayout,
+    FullAttention,
+    GroupSpec,
+    Mamba2,
+    ModelSpec,
+    SlidingWindow,
+)
 from kvlink.plan.compat import IncompatibleLayout, check_configuration
 from kvlink.plan.request import ReadSpec
 from kvlink.plan.tp_mapping import compute_tp_mapping, consumers_per_producer
@@ -172,7 +181,7 @@ def run_scenario(model: ModelSpec, p: Side, d: Side, shipped: int, prefix_blocks
         transpose = conv_transpose(own.geometry, view)
         if transpose is not None:
             blocks = {g: [b for s in specs for b in s.local_blocks[g].tolist()] for g in transpose.groups}
-            transpose.apply(blocks, memory=lambda a, n: own.data[a - own.start: a - own.start + n])
+            transpose.apply(blocks, memory=lambda a, n, m=own: m.data[a - m.start: a - m.start + n])
         reader = own
         assert reader.writes.max(initial=0) <= 1, "a destination byte was written twice"
         outside = ~sim.destination_mask(reader, d_ids)

@@ -96,9 +96,10 @@ class PdPair:
         return ids, params, metric(d.url, KV_BYTES) - before
 
 
-def load_through(p: Any, d: Any, model: str, prompt: Any, mode: str, groups: int) -> list[int]:
+def load_through(p: Any, d: Any, model: str, prompt: Any, mode: str, groups: int, d_ranks: int = 1) -> list[int]:
     """A hybrid model's request through vLLM P (one token, `mode` pull or push) and then D: P
-    offers one block list per KV-cache group (`groups`), D loads it exactly once (its log),
+    offers one block list per KV-cache group (`groups`), D loads it exactly once per rank
+    (its log: D has `d_ranks` TP ranks),
     checks P's digests (verify_kv's default, over the aliased pages), and answers; its token
     ids. `p` and `d` are the servers (`Service`: url, log_path)."""
     first = complete(p.url, model, prompt, max_tokens=1, stream=False,
@@ -109,6 +110,6 @@ def load_through(p: Any, d: Any, model: str, prompt: Any, mode: str, groups: int
     before = d.log_path.read_text(errors="replace").count("kvlink load ")
     checked = metric(d.url, "vllm:kvlink_kv_verified_units_total")
     answer = token_ids(complete(d.url, model, prompt, kv_transfer_params=params))
-    assert d.log_path.read_text(errors="replace").count("kvlink load ") == before + 1  # loaded, not recomputed
+    assert d.log_path.read_text(errors="replace").count("kvlink load ") == before + d_ranks  # loaded, not recomputed
     assert wait_metric(d.url, "vllm:kvlink_kv_verified_units_total", checked) > checked
     return answer
