@@ -6,8 +6,8 @@ prompt but its last token (so the SSM state it hands over is the one after N-1 t
 D recomputes that token. P and D keep vLLM's default conv-state layout (row-first, "SD"; kvlink
 reads it from vLLM and moves it as it lies); the colocated reference runs channel-first
 (VLLM_SSM_CONV_STATE_LAYOUT=DS), so the equality also shows the two layouts compute the same.
-A third kvlink server runs DS too: between it and the pair, D re-lays the conv state out
-from P's layout into its own.
+A TP 2 kvlink server runs DS too: between it and the SD servers (TP 1 and TP 2), D re-lays
+the conv state out from P's layout into its own.
 All run without prefix caching: vLLM 0.32's CPU build crashes on hybrid
 prompts longer than one block when prefix caching is on (IndexError in mamba_mixer2.py), so a
 D-side prefix hit on a hybrid model cannot run inside vLLM here; kvlink's own engine covers it.
@@ -20,12 +20,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from vllm_client import complete, load_through, metric, token_ids, wait_metric
+from vllm_client import KV_LOADS, complete, load_through, metric, token_ids, wait_metric
 
+from kvlink.bench.routers import router_argv
 from kvlink.connector.secret import new_secret
 from kvlink.integrations.vllm.launch import VllmServerSpec, served_model
 from kvlink.integrations.vllm.models import tiny_granite_hybrid_dir
-from kvlink.procs.launcher import Service
+from kvlink.procs.launcher import Service, free_port, start_process, stop_all, wait_healthy
 
 if TYPE_CHECKING:
     from tests.vllm.conftest import VllmServers
@@ -40,11 +41,12 @@ PROMPTS = ["The last keeper of the lighthouse was",
 
 
 TP_DIRECTIONS = ("2->1", "1->2")
-CONV_DIRECTIONS = ("DS->SD", "SD->DS")
+CONV_DIRECTIONS = ("DS2->SD1", "SD1->DS2", "DS2->SD2", "SD2->DS2")
 
 
 def tagged() -> list[str]:
-    return [f"({mode}) {p}" for mode in ("pull", "push", *TP_DIRECTIONS, *CONV_DIRECTIONS) for p in PROMPTS]
+    return [f"({mode}) {p}" for mode in ("pull", "push", "layerwise", *TP_DIRECTIONS, *CONV_DIRECTIONS)
+            for p in PROMPTS]
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +87,36 @@ def test_hybrid_pd_equals_colocated(hybrid_pair: list[Service], references: dict
         assert "keep their conv state SD" in side.log_path.read_text(errors="replace")
 
 
+def test_hybrid_layerwise_through_kvlink_proxy_equals_colocated(hybrid_pair: list[Service],
+                                                                references: dict[str, list[int]],
+                                                                tmp_path: Path) -> None:
+    """`kvlink proxy --mode layerwise` in front of the hybrid P and D: P WRITEs each layer from
+    vLLM's `save_kv_layer` as its forward runs, the Mamba layers' state once the prompt is
+    through (the layers before the attention one right after it, the rest with `pushed`);
+    D reads nothing and answers what colocated vLLM answers. The first request goes the
+    classic way (vLLM P has no /v1/kv_endpoint: the proxy learns P's side channel from it)."""
+    p, d = hybrid_pair
+    model = served_model(p.url)
+    port = free_port()
+    router = start_process("router-hybrid-layerwise", router_argv("kvlink", [p.url], [d.url], port, 60.0,
+                                                                 extra_args=["--mode", "layerwise"]),
+                           f"http://127.0.0.1:{port}", tmp_path)
+    try:
+        wait_healthy([router], 60)
+        writes = []
+        for n, index in enumerate([0, *range(len(PROMPTS))]):
+            prompt = f"(layerwise) {PROMPTS[index]}"
+            read, wrote = metric(d.url, KV_LOADS), metric(p.url, KV_LOADS)
+            assert token_ids(complete(router.url, model, prompt)) == references[prompt]
+            if n:
+                writes.append(wait_metric(p.url, KV_LOADS, wrote) - wrote)
+                assert metric(d.url, KV_LOADS) == read, "D read a layerwise request"
+    finally:
+        stop_all([router])
+    assert max(writes) > 1, f"P never wrote during a forward: {writes} WRITEs per request"
+    assert "layerwise push of" in p.log_path.read_text(errors="replace")
+
+
 @pytest.fixture(scope="module")
 def hybrid_tp2(vllm_servers: VllmServers, hybrid_dir: Path, secret: str,
                hybrid_pair: list[Service]) -> Iterator[Service]:
@@ -116,9 +148,11 @@ def test_hybrid_heterogeneous_tp_equals_colocated(hybrid_pair: list[Service], hy
 
 @pytest.fixture(scope="module")
 def hybrid_ds(vllm_servers: VllmServers, hybrid_dir: Path, secret: str,
-              hybrid_pair: list[Service]) -> Iterator[Service]:
-    """A server keeping the conv state channel-first (DS), next to the pair's default SD."""
-    spec = vllm_servers.kvlink_spec(hybrid_dir, "hybrid-ds", "0", secret, env=COLOCATED_ENV, args=HYBRID_ARGS)
+              hybrid_tp2: Service) -> Iterator[Service]:
+    """A TP 2 server keeping the conv state channel-first (DS), next to the others' default SD."""
+    spec = vllm_servers.kvlink_spec(hybrid_dir, "hybrid-tp2-ds", "0|1", secret, env=COLOCATED_ENV,
+                                    args=HYBRID_ARGS, tensor_parallel_size=2)
+    vllm_servers.side_channel_port()  # rank 1 listens on the next port
     (server,) = vllm_servers.start(spec)
     yield server
     vllm_servers.stop(server)
@@ -127,17 +161,21 @@ def hybrid_ds(vllm_servers: VllmServers, hybrid_dir: Path, secret: str,
 @pytest.mark.parametrize("mode", ["pull", "push"])
 @pytest.mark.parametrize("direction", CONV_DIRECTIONS)
 @pytest.mark.parametrize("index", range(len(PROMPTS)))
-def test_hybrid_between_conv_layouts_equals_colocated(hybrid_pair: list[Service], hybrid_ds: Service,
-                                                      references: dict[str, list[int]], direction: str,
-                                                      mode: str, index: int) -> None:
+def test_hybrid_between_conv_layouts_equals_colocated(hybrid_pair: list[Service], hybrid_tp2: Service,
+                                                      hybrid_ds: Service, references: dict[str, list[int]],
+                                                      direction: str, mode: str, index: int) -> None:
     """P and D keep the conv state in different layouts (one runs VLLM_SSM_CONV_STATE_LAYOUT=DS):
-    D reads it as P lays it out, checks P's digests, then re-lays it out into its own."""
-    p, d = (hybrid_ds, hybrid_pair[1]) if direction == "DS->SD" else (hybrid_pair[0], hybrid_ds)
+    D reads it as P lays it out, checks P's digests, then re-lays it out into its own; at TP
+    2 -> 1, 1 -> 2 and 2 -> 2 (each rank its own share of the heads and B/C groups)."""
+    servers = {"DS2": hybrid_ds, "SD1": hybrid_pair[0] if direction.startswith("SD1") else hybrid_pair[1],
+               "SD2": hybrid_tp2}
+    p, d = (servers[side] for side in direction.split("->"))
     assert "keep their conv state DS" in hybrid_ds.log_path.read_text(errors="replace")
     model = served_model(p.url)
     prompt = f"({direction}) {PROMPTS[index]}"
     relaid = metric(d.url, "vllm:kvlink_conv_relayout_bytes_total")
-    assert load_through(p, d, model, prompt, mode, groups=4) == references[prompt]
+    d_ranks = 2 if direction.endswith("2") else 1
+    assert load_through(p, d, model, prompt, mode, groups=4, d_ranks=d_ranks) == references[prompt]
     assert wait_metric(d.url, "vllm:kvlink_conv_relayout_bytes_total", relaid) > relaid
 
 

@@ -132,3 +132,28 @@ def test_layerwise_p_names_each_step_s_stream_requests_with_their_blocks_and_end
         {"request_id": "r1", "block_ids": [[4, 5, 9]], "end": 300}]
     s.request_finished(r, [[4, 5, 9]])
     assert s.build_step(_output(cached=chunk, scheduled={"r1": 44})).layer_progress == []
+
+
+def test_layerwise_hybrid_p_streams_every_group_s_blocks_and_sliding_p_does_not() -> None:
+    """A Mamba2 + attention P streams too: its layer progress names each KV-cache group's
+    blocks (the Mamba group's one state block, the attention group's so far); a model with a
+    sliding-window group is pushed after its prefill instead (no layer progress)."""
+    s = side([MAMBA, ATTENTION])
+    r = request(list(range(300)), {"do_remote_decode": True, "transfer_mode": "layerwise", "layerwise_id": "k1"})
+    s.on_new_request(r)
+    step = s.build_step(_output([SimpleNamespace(req_id="r1", block_ids=([7], [4, 5]), num_computed_tokens=0)],
+                                scheduled={"r1": 256}))
+    assert r.num_prompt_tokens == 299  # P stops one short: it computes and ships 299 tokens
+    assert step.streams[0]["num_tokens"] == 299
+    assert step.layer_progress == [{"request_id": "r1", "block_ids": [[7], [4, 5]], "end": 256}]
+    chunk = SimpleNamespace(req_ids=["r1"], resumed_req_ids=set(), new_block_ids=[([], [9])], num_computed_tokens=[256])
+    assert s.build_step(_output(cached=chunk, scheduled={"r1": 43})).layer_progress == [
+        {"request_id": "r1", "block_ids": [[7], [4, 5, 9]], "end": 299}]
+    window = GroupInfo("sliding", ("model.layers.0.self_attn.attn",), "float32", num_kv_heads=1, head_dim=64,
+                       block_size=128, sliding_window=64)
+    sliding = side([window, ATTENTION])
+    r2 = request(list(range(300)), {"do_remote_decode": True, "transfer_mode": "layerwise", "layerwise_id": "k2"})
+    sliding.on_new_request(r2)
+    step = sliding.build_step(_output([SimpleNamespace(req_id="r1", block_ids=([4, 5], [4, 5]), num_computed_tokens=0)],
+                                      scheduled={"r1": 256}))
+    assert step.layer_progress == []

@@ -17,6 +17,7 @@ log = logging.getLogger("kvlink.vllm")
 
 # vLLM finish statuses after which P keeps the blocks for D (anything else: abort or error).
 KEEP_STATUSES = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
+STREAMED_KINDS = ("full", "mamba2", "gdn")
 
 
 def view(request: Any, prompt: list[int] | None = None) -> RequestView:
@@ -41,7 +42,9 @@ class SchedulerSide:
         self._prefills: dict[str, _Prefill] = {}
         # P, layerwise: block ids so far of the requests streamed layer by layer (see _layer_progress).
         self._stream_blocks: dict[str, list[list[int]]] = {}
-        self.streams_layers = model is not None and len(model.groups) == 1 and model.groups[0].kind != "mla"
+        # Streamed layer by layer: attention alone or with SSM groups (whose state goes once the
+        # prompt is through); sliding-window groups and MLA are pushed after P's prefill.
+        self.streams_layers = model is not None and all(g.kind in STREAMED_KINDS for g in model.groups)
 
     def on_new_request(self, request: Any) -> None:
         if getattr(request, "abort_immediately", False):
@@ -152,9 +155,9 @@ class SchedulerSide:
                                            self._local_hit.pop(rid, 0))
 
     def _layer_progress(self, scheduler_output: Any) -> list[dict[str, Any]]:
-        """P, layerwise: each stream request this step computes, its blocks so far and the tokens
-        it has once the forward ends (the worker writes each layer's new chunks right after it).
-        Only single-group attention models: their layer order is the registered one."""
+        """P, layerwise: each stream request this step computes, its blocks so far (per KV-cache
+        group, in vLLM's group order, as kvlink's model has them) and the tokens it has once the
+        forward ends (the worker writes each layer's new chunks right after it)."""
         streams = self.core.streams()
         if not streams or scheduler_output is None or not self.streams_layers:
             self._stream_blocks.clear()

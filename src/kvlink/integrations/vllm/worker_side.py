@@ -17,6 +17,7 @@ from kvlink.integrations.vllm.layout import (
     UnsupportedVllmLayout,
     check_hybrid_tensors,
     check_layer_tensors,
+    layer_index,
     order_layers,
     page_order_for,
 )
@@ -66,6 +67,9 @@ class WorkerSide:
         ssm_page_stride: int | None = None
         if self._groups is not None:
             bases, sizes, num_blocks, ssm_page_stride = check_hybrid_tensors(tensors, self._groups)
+            # kvlink's layers are vLLM's in layer order, whatever group each belongs to
+            names = sorted((name for g in self._groups for name in g.layer_names), key=layer_index)
+            self._layer_of = {name: i for i, name in enumerate(names)}
         else:
             layers = order_layers(tensors)
             self._layer_of = {t.name: i for i, t in enumerate(layers)}
