@@ -22,13 +22,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from vllm_client import KV_LOADS, complete, load_through, metric, token_ids, wait_metric
+from layerwise_client import layerwise_answers
+from vllm_client import complete, load_through, token_ids
 
-from kvlink.bench.routers import router_argv
 from kvlink.connector.secret import new_secret
 from kvlink.integrations.vllm.launch import VllmServerSpec, served_model
 from kvlink.integrations.vllm.models import tiny_qwen3_next_dir
-from kvlink.procs.launcher import Service, free_port, start_process, stop_all, wait_healthy
+from kvlink.procs.launcher import Service
 
 if TYPE_CHECKING:
     from tests.vllm.conftest import VllmServers
@@ -89,23 +89,9 @@ def test_gdn_layerwise_over_a_chunked_prefill_equals_colocated(gdn_pair: list[Se
     once the prompt is through; D reads nothing and answers what colocated vLLM answers. The
     first request goes the classic way (the proxy learns P's side channel from it)."""
     p, d = gdn_pair
-    model = served_model(p.url)
-    port = free_port()
-    router = start_process("router-gdn-layerwise", router_argv("kvlink", [p.url], [d.url], port, 60.0,
-                                                              extra_args=["--mode", "layerwise"]),
-                           f"http://127.0.0.1:{port}", tmp_path)
-    try:
-        wait_healthy([router], 60)
-        writes = []
-        for n, index in enumerate([0, *range(len(PROMPTS))]):
-            read, wrote = metric(d.url, KV_LOADS), metric(p.url, KV_LOADS)
-            prompt: Any = PROMPTS[index]
-            assert token_ids(complete(router.url, model, prompt)) == references[index]
-            if n:
-                writes.append(wait_metric(p.url, KV_LOADS, wrote) - wrote)
-                assert metric(d.url, KV_LOADS) == read, "D read a layerwise request"
-    finally:
-        stop_all([router])
+    got = layerwise_answers(p, d, served_model(p.url), list(PROMPTS), tmp_path)
+    assert [ids for ids, _ in got] == references
+    writes = [w for _, w in got]
     # 705 tokens take 11 forwards: the blocks they complete go out as they do, before `pushed`
     assert writes[-1] > 1, f"P wrote the longest prompt in {writes[-1]} WRITEs: not streamed"
 

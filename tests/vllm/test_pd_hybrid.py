@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from vllm_client import KV_LOADS, complete, load_through, metric, token_ids, wait_metric
+from layerwise_client import layerwise_answers
+from vllm_client import complete, load_through, metric, token_ids, wait_metric
 
-from kvlink.bench.routers import router_argv
 from kvlink.connector.secret import new_secret
 from kvlink.integrations.vllm.launch import VllmServerSpec, served_model
 from kvlink.integrations.vllm.models import tiny_granite_hybrid_dir
-from kvlink.procs.launcher import Service, free_port, start_process, stop_all, wait_healthy
+from kvlink.procs.launcher import Service
 
 if TYPE_CHECKING:
     from tests.vllm.conftest import VllmServers
@@ -96,23 +96,10 @@ def test_hybrid_layerwise_through_kvlink_proxy_equals_colocated(hybrid_pair: lis
     D reads nothing and answers what colocated vLLM answers. The first request goes the
     classic way (vLLM P has no /v1/kv_endpoint: the proxy learns P's side channel from it)."""
     p, d = hybrid_pair
-    model = served_model(p.url)
-    port = free_port()
-    router = start_process("router-hybrid-layerwise", router_argv("kvlink", [p.url], [d.url], port, 60.0,
-                                                                 extra_args=["--mode", "layerwise"]),
-                           f"http://127.0.0.1:{port}", tmp_path)
-    try:
-        wait_healthy([router], 60)
-        writes = []
-        for n, index in enumerate([0, *range(len(PROMPTS))]):
-            prompt = f"(layerwise) {PROMPTS[index]}"
-            read, wrote = metric(d.url, KV_LOADS), metric(p.url, KV_LOADS)
-            assert token_ids(complete(router.url, model, prompt)) == references[prompt]
-            if n:
-                writes.append(wait_metric(p.url, KV_LOADS, wrote) - wrote)
-                assert metric(d.url, KV_LOADS) == read, "D read a layerwise request"
-    finally:
-        stop_all([router])
+    prompts = [f"(layerwise) {prompt}" for prompt in PROMPTS]
+    got = layerwise_answers(p, d, served_model(p.url), prompts, tmp_path)
+    assert [ids for ids, _ in got] == [references[prompt] for prompt in prompts]
+    writes = [w for _, w in got]
     assert max(writes) > 1, f"P never wrote during a forward: {writes} WRITEs per request"
     assert "layerwise push of" in p.log_path.read_text(errors="replace")
 

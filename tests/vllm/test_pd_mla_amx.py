@@ -23,9 +23,11 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from layerwise_client import layerwise_answers, writes_during_prefill
 from test_pd_mla import (
     BYTES_PER_TOKEN,
     MAX_TOKENS,
@@ -145,3 +147,17 @@ def test_d_prefix_hit_moves_only_the_rest(servers: dict[str, Service]) -> None:
     want = whole - (tokens - 1) // 32 * 32 * BYTES_PER_TOKEN
     assert 0 < want < whole
     assert nbytes == want
+
+
+def test_layerwise_equals_the_classic_pull(servers: dict[str, Service], answers: dict, tmp_path: Path) -> None:
+    """`kvlink proxy --mode layerwise` in front of a32 and b32: P WRITEs each MLA layer's latents
+    from vLLM's `save_kv_layer` during its forward, D reads nothing and answers what the
+    classic pull of the same prompt answered (same servers, same path: no prefix caching). The
+    first request goes the classic way (the proxy learns P's side channel from it)."""
+    p, d = servers["a32"], servers["b32"]
+    prompts = [f"(amx pull) {text}" for text in PROMPTS]
+    got = layerwise_answers(p, d, served_model(p.url), prompts, tmp_path, max_tokens=MAX_TOKENS)
+    assert [ids for ids, _ in got] == [answers[("pull", "same", i)][0] for i in range(len(PROMPTS))]
+    pushes = writes_during_prefill(p)
+    assert len(pushes) >= len(PROMPTS) and max(int(w) for w in pushes) > 1, pushes
+

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from layerwise_client import layerwise_answers, writes_during_prefill
 from vllm_client import PdPair, complete, metric, token_ids, wait_metric
 
 from kvlink.connector.secret import new_secret
@@ -51,7 +52,7 @@ EXTENDED = PREFIX + " Then the fog came and the bell rang all night."
 
 
 def tagged() -> list[str]:
-    return ([f"({mode}) {p}" for mode in ("pull", "push") for p in PROMPTS] + [PREFIX, EXTENDED]
+    return ([f"({mode}) {p}" for mode in ("pull", "push", "layerwise") for p in PROMPTS] + [PREFIX, EXTENDED]
             + [between(direction, mode) for direction in DIRECTIONS for mode in ("pull", "push")])
 
 
@@ -119,6 +120,20 @@ def test_sliding_pd_equals_colocated(pair: PdPair, references: dict[str, list[in
     if mode == "pull":
         assert nbytes == expected_bytes(n)
     assert wait_metric(pair.d.url, VERIFIED, checked) > checked  # D checked P's digests
+
+
+def test_layerwise_through_kvlink_proxy_equals_colocated(pair: PdPair, references: dict[str, list[int]],
+                                                         tmp_path: Path) -> None:
+    """`kvlink proxy --mode layerwise` in front of the pair: P prefills in chunks of CHUNK
+    tokens and WRITEs each layer's finished blocks after each forward, the sliding layers'
+    inside the final window only (P frees the blocks behind the window between chunks: those
+    were never to be written); D reads nothing and answers what colocated vLLM answers. The
+    first request goes the classic way (the proxy learns P's side channel from it)."""
+    prompts = [f"(layerwise) {prompt}" for prompt in PROMPTS]
+    got = layerwise_answers(pair.p, pair.d, pair.model, prompts, tmp_path)
+    assert [ids for ids, _ in got] == [references[prompt] for prompt in prompts]
+    pushes = writes_during_prefill(pair.p)
+    assert len(pushes) >= len(PROMPTS) and max(int(w) for w in pushes) > LOCAL_LAYERS + GLOBAL_LAYERS, pushes
 
 
 def test_d_prefix_hit_moves_only_the_missing_part(pair: PdPair, references: dict[str, list[int]]) -> None:

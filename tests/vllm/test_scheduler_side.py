@@ -134,10 +134,10 @@ def test_layerwise_p_names_each_step_s_stream_requests_with_their_blocks_and_end
     assert s.build_step(_output(cached=chunk, scheduled={"r1": 44})).layer_progress == []
 
 
-def test_layerwise_hybrid_p_streams_every_group_s_blocks_and_sliding_p_does_not() -> None:
+def test_layerwise_hybrid_and_sliding_p_stream_every_group_s_blocks() -> None:
     """A Mamba2 + attention P streams too: its layer progress names each KV-cache group's
-    blocks (the Mamba group's one state block, the attention group's so far); a model with a
-    sliding-window group is pushed after its prefill instead (no layer progress)."""
+    blocks (the Mamba group's one state block, the attention group's so far); so does a
+    model with a sliding-window group (the planner keeps its writes inside the final window)."""
     s = side([MAMBA, ATTENTION])
     r = request(list(range(300)), {"do_remote_decode": True, "transfer_mode": "layerwise", "layerwise_id": "k1"})
     s.on_new_request(r)
@@ -156,4 +156,4 @@ def test_layerwise_hybrid_p_streams_every_group_s_blocks_and_sliding_p_does_not(
     sliding.on_new_request(r2)
     step = sliding.build_step(_output([SimpleNamespace(req_id="r1", block_ids=([4, 5], [4, 5]), num_computed_tokens=0)],
                                       scheduled={"r1": 256}))
-    assert step.layer_progress == []
+    assert step.layer_progress == [{"request_id": "r1", "block_ids": [[4, 5], [4, 5]], "end": 256}]

@@ -87,6 +87,7 @@ class WorkerSide:
         tensors = layer_tensors(kv_caches)
         bases, sizes, num_blocks = check_mla_tensors(tensors, block_size=self.block_size,
                                                      latent_dim=self.head_dim, dtype=self.dtype)
+        self._layer_of = {t.name: i for i, t in enumerate(sorted(tensors, key=lambda t: layer_index(t.name)))}
         self._start(bases, sizes, num_blocks, order, None)
 
     def _start(self, bases: list[int], sizes: list[int], num_blocks: int, order: str,
