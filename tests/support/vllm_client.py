@@ -59,7 +59,8 @@ def wait_idle(url: str, metrics_port: int, within_s: float, name: str = "") -> f
     while True:
         usage = metric(url, "vllm:kv_cache_usage_perc")
         state = kvlink_state(metrics_port)
-        held = {k: state[k] for k in ("leases", "loads_in_flight", "open_transfers", "waiting_for_handshake")}
+        held = {k: state.get(k) for k in ("leases", "loads_in_flight", "open_transfers", "waiting_for_handshake",
+                                          "quarantined_loads")}
         if usage == 0 and not any(held.values()):
             return time.monotonic() - started
         if time.monotonic() - started > within_s:

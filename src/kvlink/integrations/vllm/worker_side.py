@@ -59,6 +59,10 @@ class WorkerSide:
         self.metrics: WorkerMetrics | None = None
         self._layer_of: dict[str, int] = {}  # layerwise: vLLM layer name -> kvlink layer
         self._progress: list[dict[str, Any]] = []  # this step's layerwise requests
+        # Stalled loads, reported to vLLM only once their quarantine is over (request -> when):
+        # vLLM frees or recomputes into a failed load's blocks at once, and a frozen peer may
+        # still deliver into them when it runs again. Until then the request holds them.
+        self._held: dict[str, float] = {}
 
     def register_kv_caches(self, kv_caches: dict[str, Any], local_kv_heads: int, isa: str) -> None:
         """Register vLLM's KV views; `isa` is the CPU attention kernel vLLM resolved for them."""
@@ -150,6 +154,7 @@ class WorkerSide:
         if self.core is None:
             return WorkerOutput()
         out = self.core.get_finished()
+        self._hold_stalled(out, time.monotonic())
         for rid, fig in out.transfer_figures.items():
             relayout = (f", re-laid out in {1e3 * fig['kv_relayout_s']:.2f} ms" if "kv_relayout_s" in fig else "")
             log.info("kvlink load %s: %d bytes in %.2f ms (%d descriptors%s)", rid, int(fig.get("kv_bytes", 0)),
@@ -169,8 +174,25 @@ class WorkerSide:
         data = from_worker_snapshot(snapshot, self._forwarded)
         return data if carries_anything(data) else None
 
+    def _hold_stalled(self, out: WorkerOutput, now: float) -> None:
+        """Keep a stalled load's failure from vLLM for its quarantine (`quarantine_s`), so the
+        request keeps its blocks while a frozen peer may still write into them; report the
+        failures whose time has come."""
+        for rid, hold_s in out.quarantine_s.items():
+            if rid in out.failed_recving and hold_s > 0:
+                out.failed_recving.discard(rid)
+                self._held[rid] = now + hold_s
+                log.warning("kvlink load %s stalled: its blocks stay with the request for %.0f s "
+                            "(quarantine_s) before vLLM hears of the failure; a frozen peer may still "
+                            "deliver into them", rid, hold_s)
+        for rid, until in list(self._held.items()):
+            if until <= now:
+                del self._held[rid]
+                out.failed_recving.add(rid)
+
     def debug_state(self) -> dict[str, Any]:
-        return self.core.debug_state() if self.core is not None else {}
+        state = self.core.debug_state() if self.core is not None else {}
+        return {**state, "quarantined_loads": len(self._held)}
 
     def shutdown(self) -> None:
         if self.metrics is not None:
