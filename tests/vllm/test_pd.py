@@ -469,8 +469,7 @@ def test_client_leaving_d_mid_load_frees_p_at_once(pd: PD) -> None:
 def test_client_leaving_a_layerwise_request_frees_d_once_p_stopped(pd: PD, colocated: Colocated) -> None:
     """The client leaves a layerwise request while D waits for P's layers (P's workers
     stopped): vLLM aborts it on D, which keeps the blocks while P could still write into
-    them (vLLM frees them as soon as the load is reported over, so no quarantine could
-    protect them). D asks P to stop; P, running again, reads the cancel at its next step
+    them (vLLM frees them as soon as the load is reported over). D asks P to stop; P, running again, reads the cancel at its next step
     (vLLM does not step an idle engine, so that is its next request) and answers; D frees,
     long before its layerwise deadline (stall + handshake + 60 s). Nothing leaks, and B
     answers the same prompt exactly afterwards."""

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 from layerwise_client import layerwise_answers
-from vllm_client import complete, load_through, token_ids
+from vllm_client import complete, load_through, metric, token_ids, wait_metric
 
 from kvlink.connector.secret import new_secret
 from kvlink.integrations.vllm.launch import VllmServerSpec, served_model
@@ -58,11 +58,13 @@ def references(vllm_servers: VllmServers, gdn_dir: Path) -> list[list[int]]:
         vllm_servers.stop(server)
 
 
+GDN_SECRET = new_secret()  # the module's servers sign alike
+
+
 @pytest.fixture(scope="module")
 def gdn_pair(vllm_servers: VllmServers, gdn_dir: Path, references: list[list[int]]) -> Iterator[list[Service]]:
-    secret = new_secret()
     yield from vllm_servers.serve(*(
-        vllm_servers.kvlink_spec(gdn_dir, f"gdn-{name}", cores, secret, dtype="bfloat16", args=GDN_ARGS)
+        vllm_servers.kvlink_spec(gdn_dir, f"gdn-{name}", cores, GDN_SECRET, dtype="bfloat16", args=GDN_ARGS)
         for name, cores in (("p", "0"), ("d", "1"))))
 
 
@@ -80,6 +82,31 @@ def test_gdn_pd_equals_colocated(gdn_pair: list[Service], references: list[list[
     assert load_through(p, d, model, prompt, mode, groups=4) == references[index]  # 3 GDN groups, 1 attention
     for side in (p, d):
         assert "GDN layers keep their conv state SD" in side.log_path.read_text(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def gdn_ds(vllm_servers: VllmServers, gdn_dir: Path, gdn_pair: list[Service]) -> Iterator[Service]:
+    """A server keeping the GDN conv state channel-first (DS), in the pair's secret."""
+    spec = vllm_servers.kvlink_spec(gdn_dir, "gdn-ds", "0", GDN_SECRET, dtype="bfloat16", args=GDN_ARGS,
+                                    env={"VLLM_SSM_CONV_STATE_LAYOUT": "DS"})
+    (server,) = vllm_servers.start(spec)
+    yield server
+    vllm_servers.stop(server)
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("direction", ["DS->SD", "SD->DS"])
+@pytest.mark.parametrize("index", range(len(PROMPTS)))
+def test_gdn_between_conv_layouts_equals_colocated(gdn_pair: list[Service], gdn_ds: Service,
+                                                   references: list[list[int]], direction: str, mode: str,
+                                                   index: int) -> None:
+    """One side keeps the conv state DS, the other SD: D re-lays the Q | K | V conv state out."""
+    p, d = (gdn_ds, gdn_pair[1]) if direction == "DS->SD" else (gdn_pair[0], gdn_ds)
+    assert "GDN layers keep their conv state DS" in gdn_ds.log_path.read_text(errors="replace")
+    relaid = metric(d.url, "vllm:kvlink_conv_relayout_bytes_total")
+    prompt: Any = PROMPTS[index]
+    assert load_through(p, d, served_model(p.url), prompt, mode, groups=4) == references[index]
+    assert wait_metric(d.url, "vllm:kvlink_conv_relayout_bytes_total", relaid) > relaid
 
 
 def test_gdn_layerwise_over_a_chunked_prefill_equals_colocated(gdn_pair: list[Service], references: list[list[int]],
