@@ -103,7 +103,8 @@ def p_writes(worker: NixlWorker) -> list[Any]:
 # Every case on the hybrid (attention and SSM layers); SmolLM2 (30 layers) where D joins mid-forward.
 @pytest.mark.parametrize(("model_name", "when"), [
     ("tiny-hybrid", "d-asks-first"), ("tiny-hybrid", "d-asks-mid-forward"), ("tiny-hybrid", "p-finished-first"),
-    ("tiny-hybrid", "d-asks-first, chunked prefill"), ("smollm2-135m", "d-asks-mid-forward")])
+    ("tiny-hybrid", "d-asks-first, chunked prefill"), ("smollm2-135m", "d-asks-mid-forward"),
+    ("smollm2-135m", "d-asks-first, P prefix hit")])
 def test_layerwise_d_pages_equal_p_pages(pair: tuple[LLMEngine, LLMEngine, NixlWorker], model: Any,
                                          model_name: str, when: str) -> None:
     p, d, p_worker = pair
@@ -125,6 +126,19 @@ def test_layerwise_d_pages_equal_p_pages(pair: tuple[LLMEngine, LLMEngine, NixlW
 
     d_first = when != "p-finished-first"
     chunked = when.endswith("chunked prefill")
+    hits: list[int] = []
+    if when.endswith("P prefix hit"):  # P holds the prompt's first 4 blocks: its forward computes the rest only
+        p.add_request("p-warm", prompt[:70], SamplingParams(max_tokens=1))
+        run_until([p], lambda: not p.has_unfinished(), outputs)
+        sink = p.runner.layer_sink
+        assert sink is not None
+
+        def note_hit(rid: str, layer: int, computed: int, tables: Any) -> None:
+            if rid == "p1" and layer == 0:
+                hits.append(p.requests["p1"].num_local_prefix_tokens)
+            sink(rid, layer, computed, tables)
+
+        p.runner.layer_sink = note_hit
     if chunked:  # P prefills 32 tokens per step: each chunk's layers leave as they are computed
         p.scheduler.prefill_chunk = 32
     if when.startswith("d-asks-first"):
@@ -157,6 +171,9 @@ def test_layerwise_d_pages_equal_p_pages(pair: tuple[LLMEngine, LLMEngine, NixlW
         p.step()  # the whole prefill, before D asks: it all goes in the last WRITE
         d.add_request("d1", prompt, SamplingParams(max_tokens=6), layerwise_params(p, "p1"))
     run_until([d, p], loaded, outputs)
+    if hits:  # P's cached blocks went with its first forward's layers, with what it computed
+        p.runner.layer_sink = sink
+        assert hits == [64], hits
     p_tables = [list(ids) for ids in p.held["p1"]]
     d_tables = [list(ids) for ids in d.requests["d1"].block_tables]
     assert d_tables[0][:len(p_tables[0])] != p_tables[0]
