@@ -457,6 +457,32 @@ def test_p_frozen_after_prefill(pd: PD, colocated: Colocated) -> None:
         wait_idle(pd, server, name, within_s=LEASE_S + HANDSHAKE_S + 10)
 
 
+def test_client_leaving_during_a_stalled_load_s_quarantine_keeps_the_blocks(pd: PD) -> None:
+    """A push from a frozen P stalls at D's deadline, and the client leaves during the
+    quarantine that follows. Without the hold, B (policy fail) would answer an error at the
+    deadline and vLLM would free the blocks; with it the client is still waiting when it
+    leaves, vLLM keeps the aborted request's blocks until the load is reported over, and B
+    frees them at the quarantine's end. Nothing leaks."""
+    prompt = "(stalled, client leaves) " + PROMPTS[1]
+    params = pd.prefill(pd.a, prompt, "push")
+    deadline = STALL_S + HANDSHAKE_S
+    frozen = workers_of(pd.a)
+    for proc in frozen:
+        proc.send_signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(httpx.TimeoutException):  # the client leaves 1.5 s into the hold
+            pd.decode(pd.b, prompt, params, timeout_s=deadline + 1.5)
+        assert time.monotonic() - started < deadline + QUARANTINE_S - 1
+        assert vllm_metric(pd.b, "vllm:kv_cache_usage_perc") > 0, "B freed while P could still write"
+        wait_idle(pd, pd.b, "b", within_s=QUARANTINE_S + 10)
+        assert time.monotonic() - started > deadline + QUARANTINE_S - 1, "B freed before the quarantine ended"
+    finally:
+        for proc in frozen:
+            proc.send_signal(signal.SIGCONT)
+    wait_idle(pd, pd.a, "a", within_s=LEASE_S + 10)
+
+
 def test_client_leaving_d_mid_load_frees_p_at_once(pd: PD) -> None:
     prompt = "(client leaves) " + PROMPTS[3]
     params = pd.prefill(pd.a, prompt)
