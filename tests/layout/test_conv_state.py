@@ -72,7 +72,7 @@ def test_conv_transpose_touches_only_the_conv_state_of_the_blocks_given() -> Non
     transpose = conv_transpose(d, planning_view(d, TINY_HYBRID))
     assert transpose is not None and transpose.groups == (1,) and dict(transpose.arrived) == {1: "DS"}
     assert conv_transpose(d, d) is None
-    moved = transpose.apply({1: [4]}, memory=lambda a, n: memory[a - start: a - start + n])
+    moved = transpose.apply({1: [4]}, lambda a, n: memory[a - start: a - start + n])
     (region, *_) = transpose.regions
     assert moved == region.nbytes * len(d.ssm_regions)
     changed = np.flatnonzero(memory != before) + start
@@ -81,4 +81,4 @@ def test_conv_transpose_touches_only_the_conv_state_of_the_blocks_given() -> Non
         changed = changed[~inside]
     assert not changed.size
     with pytest.raises(ValueError, match="outside"):
-        transpose.apply({1: [6]}, memory=lambda a, n: memory[a - start: a - start + n])
+        transpose.apply({1: [6]}, lambda a, n: memory[a - start: a - start + n])

@@ -181,7 +181,7 @@ def run_scenario(model: ModelSpec, p: Side, d: Side, shipped: int, prefix_blocks
         transpose = conv_transpose(own.geometry, view)
         if transpose is not None:
             blocks = {g: [b for s in specs for b in s.local_blocks[g].tolist()] for g in transpose.groups}
-            transpose.apply(blocks, memory=lambda a, n, m=own: m.data[a - m.start: a - m.start + n])
+            transpose.apply(blocks, lambda a, n, m=own: m.data[a - m.start: a - m.start + n])
         reader = own
         assert reader.writes.max(initial=0) <= 1, "a destination byte was written twice"
         outside = ~sim.destination_mask(reader, d_ids)

@@ -20,7 +20,7 @@ from kvlink.connector.loads import Load, complete_push
 from kvlink.connector.notifs import Done, encode
 from kvlink.connector.remote import RemoteEngine, conv_blocks
 from kvlink.connector.sealer import Faults
-from kvlink.connector.staging import LocalPages
+from kvlink.connector.staging import LocalPages, bytes_at
 from kvlink.connector.verifier import NoDigestSlots, Verifier
 from kvlink.connector.worker_parts import WorkerParts
 from kvlink.layout.digests import ENTRY_BYTES
@@ -383,7 +383,7 @@ class PullReader:
             return False
         transpose, blocks = load.conv
         load.conv = None
-        moved = transpose.apply(blocks)
+        moved = transpose.apply(blocks, bytes_at)
         self.worker.stats.count("conv_relayout_bytes_total", moved)
         return True
 

@@ -36,14 +36,14 @@ def populated_bytes(nbytes: int) -> tuple[mmap.mmap, npt.NDArray[np.uint8]]:
     return region, data
 
 
-def _bytes_at(address: int, nbytes: int) -> npt.NDArray[np.uint8]:
+def bytes_at(address: int, nbytes: int) -> npt.NDArray[np.uint8]:
     """Writable bytes of memory this process owns elsewhere (the engine's KV allocation)."""
     return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))
 
 
 def pages_at(region: Region, elem_bytes: int) -> Pages:
     """A writable `[page, unit, unit elements]` view of an attention region's memory."""
-    flat = _bytes_at(region.base, region.num_pages * region.page_stride)
+    flat = bytes_at(region.base, region.num_pages * region.page_stride)
     pages = np.lib.stride_tricks.as_strided(
         flat, (region.num_pages, region.page_len), (region.page_stride, 1), writeable=True)
     return pages.view(_UINT[elem_bytes]).reshape(region.num_pages, region.units, -1)
@@ -62,7 +62,7 @@ def layer_stack(regions: Sequence[Region], elem_bytes: int) -> Pages | None:
             r.base != first.base + i * step for i, r in enumerate(regions)):
         return None
     span = step * (len(regions) - 1) + first.num_pages * first.page_len
-    flat = _bytes_at(first.base, span).view(_UINT[elem_bytes])
+    flat = bytes_at(first.base, span).view(_UINT[elem_bytes])
     unit = first.unit_bytes // elem_bytes
     e = elem_bytes
     return np.lib.stride_tricks.as_strided(

@@ -15,7 +15,6 @@ numpy transposes.
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 
@@ -25,7 +24,7 @@ from kvlink.layout.geometry import WorkerGeometry, build_worker_geometry
 from kvlink.layout.spec import GDN, ConvLayout, GroupSpec, Mamba2, ModelSpec
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-# (address, nbytes) -> those bytes, writable: this process's memory, or a simulated one
+# (address, nbytes) -> those bytes, writable: the reader's memory (or a simulated one)
 Memory = Callable[[int, int], np.ndarray]
 
 
@@ -85,21 +84,19 @@ class ConvRegion:
 
 @dataclass(frozen=True)
 class ConvTranspose:
-    """Turns conv states written in `arrived` layouts into the reader's (`own`), per group."""
+    """Turns conv states written in `arrived` layouts (per SSM group) into the reader's."""
 
     arrived: Mapping[int, ConvLayout]
-    own: Mapping[int, ConvLayout]
     regions: tuple[ConvRegion, ...]
 
     @property
     def groups(self) -> tuple[int, ...]:
         return tuple(sorted(self.arrived))
 
-    def apply(self, blocks: Mapping[int, Iterable[int]], memory: Memory | None = None) -> int:
+    def apply(self, blocks: Mapping[int, Iterable[int]], memory: Memory) -> int:
         """Re-lay out the conv state of `blocks[g]` (the state blocks a load wrote, per SSM
-        group) in every layer of group g; returns the bytes re-laid out. `memory` reaches the
-        pages (this process's own memory when None)."""
-        at = memory or process_bytes
+        group) in every layer of group g, reaching the pages through `memory`; returns the
+        bytes re-laid out."""
         moved = 0
         for region in self.regions:
             ids = sorted({int(b) for b in blocks.get(region.group, ())})
@@ -109,7 +106,7 @@ class ConvTranspose:
                 raise ValueError(f"SSM state blocks {ids} of group {region.group} outside "
                                  f"[0, {region.num_pages})")
             for block in ids:
-                page = at(region.base + block * region.page_stride, region.nbytes)
+                page = memory(region.base + block * region.page_stride, region.nbytes)
                 transpose_in_place(page, region.channels, region.rows, region.elem_bytes,
                                    self.arrived[region.group])
                 moved += region.nbytes
@@ -146,9 +143,5 @@ def conv_transpose(local: WorkerGeometry, view: WorkerGeometry) -> ConvTranspose
                              f"{conv[0].offset} is not {rows} rows of {local.model.dtype} elements")
         regions.append(ConvRegion(region.layer, region.group, region.base, region.page_stride,
                                   region.num_pages, nbytes // (rows * e), rows, e))
-    return ConvTranspose(differ, {g: own[g] for g in differ}, tuple(regions))
+    return ConvTranspose(differ, tuple(regions))
 
-
-def process_bytes(address: int, nbytes: int) -> np.ndarray:
-    """Writable bytes of memory this process owns (a cache tensor)."""
-    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
+from kvlink.layout.conv_state import conv_layouts, with_conv_layouts
 from kvlink.layout.geometry import WorkerGeometry
 from kvlink.layout.page_order import DEFAULT_PAGE_ORDER
-from kvlink.layout.spec import GDN, GroupSpec, Mamba2, ModelSpec
+from kvlink.layout.spec import ModelSpec
 from kvlink.plan.tp_mapping import model_parts
 
 SUPPORTED = (
@@ -68,7 +68,7 @@ def model_mismatches(p_model: ModelSpec, d_model: ModelSpec) -> list[str]:
         found.append(f"group kinds per layer: P has {_layer_kinds(p_model)}, D has {_layer_kinds(d_model)}")
     elif p_model.groups != d_model.groups:
         p_conv, d_conv = _conv_layouts(p_model), _conv_layouts(d_model)
-        if [_without_conv_layout(g) for g in p_model.groups] != [_without_conv_layout(g) for g in d_model.groups]:
+        if with_conv_layouts(p_model, conv_layouts(d_model)).groups != d_model.groups:
             found.append(f"group parameters: P has {p_model.groups}, D has {d_model.groups}")
         elif p_conv != d_conv:
             # The connector plans such a pair through `kvlink.layout.conv_state.planning_view`
@@ -83,11 +83,7 @@ def model_mismatches(p_model: ModelSpec, d_model: ModelSpec) -> list[str]:
 
 
 def _conv_layouts(model: ModelSpec) -> str:
-    return ",".join(sorted({g.conv_layout for g in model.groups if isinstance(g, (Mamba2, GDN))}))
-
-
-def _without_conv_layout(group: GroupSpec) -> GroupSpec:
-    return replace(group, conv_layout="DS") if isinstance(group, (Mamba2, GDN)) else group
+    return ",".join(sorted(set(conv_layouts(model).values())))
 
 
 def _scales(model: ModelSpec) -> str:

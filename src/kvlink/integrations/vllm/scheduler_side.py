@@ -17,7 +17,6 @@ log = logging.getLogger("kvlink.vllm")
 
 # vLLM finish statuses after which P keeps the blocks for D (anything else: abort or error).
 KEEP_STATUSES = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
-STREAMED_KINDS = ("full", "sliding", "mla", "mamba2", "gdn")
 
 
 def view(request: Any, prompt: list[int] | None = None) -> RequestView:
@@ -42,9 +41,9 @@ class SchedulerSide:
         self._prefills: dict[str, _Prefill] = {}
         # P, layerwise: block ids so far of the requests streamed layer by layer (see _layer_progress).
         self._stream_blocks: dict[str, list[list[int]]] = {}
-        # Streamed layer by layer: every kind kvlink moves inside vLLM (an SSM state goes once the
+        # Every kind kvlink moves inside vLLM streams layer by layer (an SSM state goes once the
         # prompt is through; a sliding group's tokens inside the final window only).
-        self.streams_layers = model is not None and all(g.kind in STREAMED_KINDS for g in model.groups)
+        self.streams_layers = model is not None
 
     def on_new_request(self, request: Any) -> None:
         if getattr(request, "abort_immediately", False):
