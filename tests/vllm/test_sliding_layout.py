@@ -1,5 +1,5 @@
 """vLLM's sliding-window KV-cache groups in kvlink's terms (no engine): the window kvlink ships,
-the groups it accepts, and the block-size pairing it refuses for groups that share memory."""
+the groups it accepts, and how groups that share memory pair between block sizes."""
 
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ from kvlink.integrations.vllm.layout import (
 )
 from kvlink.layout.digests import shipped_blocks
 from kvlink.layout.geometry import WorkerGeometry, build_worker_geometry
-from kvlink.layout.spec import FullAttention, SlidingWindow
+from kvlink.layout.spec import FullAttention, Mamba2, ModelSpec, SlidingWindow
 from kvlink.plan.compat import IncompatibleLayout
 from kvlink.plan.request import first_token_to_ship
+from kvlink.plan.staged import build_staged_plan, needs_staging, staging_geometry
 from kvlink.plan.transfer_plan import build_transfer_plan
 
 BLOCK, WINDOW = 32, 64
@@ -82,13 +83,27 @@ def test_p_lists_may_repeat_the_null_block_only() -> None:
         parse_remote_prefill({**params, "remote_block_ids": [[0, 7, 7]]})
 
 
-def test_groups_sharing_memory_between_block_sizes_are_refused_at_handshake() -> None:
+def test_groups_sharing_memory_between_block_sizes_read_through_staging() -> None:
+    """Aliased sliding and full groups between block sizes go through staging pages (every
+    layer's P page in one slot, each group copied into its own D blocks); the same aliasing with
+    SSM state pages has no staged path and is refused at handshake."""
     model = model_spec("g", GEMMA, 1)
 
-    def worker(block: int) -> WorkerGeometry:
-        return build_worker_geometry(model, 1, 0, block, block, 16, [1 << 32] * 4, page_order="vllm_cpu_vec",
-                                     aliased=True)
+    def worker(m: ModelSpec, block: int) -> WorkerGeometry:
+        return build_worker_geometry(m, 1, 0, block, block, 16, [1 << 32] * m.num_layers,
+                                     page_order="vllm_cpu_vec", aliased=True)
 
+    d, p = worker(model, 32), worker(model, 64)
+    assert needs_staging(d, p)
+    staging = staging_geometry(d, 64, 8, [(1 << 33) + i * (1 << 20) for i in range(4)])
+    plan = build_staged_plan(d, staging, {0: p})
+    # 300 tokens: the sliding groups' window (63 tokens) starts at 237, in P's page 3 (192..255)
+    req = plan.request([list(range(10))] * 4, [list(range(5))] * 4, 300, 0, list(range(plan.slots_needed(300, 0))))
+    # (copies run to the end of the 32-token chunk holding token 299)
+    assert len(req.slots) == 5
+    assert [int(r[:, 4].sum()) for r in req.runs] == [320 - 224] * 3 + [320]
+    assert [int(r[0, 1]) for r in req.runs] == [224 % 64] * 3 + [0]  # first token in its staging page
+    hybrid = ModelSpec("h", 1, 64, "float32", (FullAttention(), Mamba2(2, 2, 1, 2, 2)), (0, 1))
     with pytest.raises(IncompatibleLayout, match="serve P and D with the same block size"):
-        build_transfer_plan(worker(32), {0: worker(64)})
-    build_transfer_plan(worker(64), {0: worker(64)})
+        build_transfer_plan(worker(hybrid, 32), {0: worker(hybrid, 64)})
+    build_transfer_plan(worker(model, 64), {0: worker(model, 64)})

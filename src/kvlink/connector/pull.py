@@ -368,10 +368,10 @@ class PullReader:
         load.staging = None
         w = self.worker
         try:
-            if staged.runs.size:
+            if staged.copies:
                 g = self.geometry
-                pool.relayout(self.local_pages(), g.kernel_block_size, g.page_order, g.model.head_dim,
-                              staged.runs)
+                pool.relayout(self.local_pages(), [r.group for r in g.attention_regions], g.kernel_block_size,
+                              g.page_order, g.model.head_dim, staged.runs)
         finally:
             pool.give(staged.slots)
         elapsed = time.perf_counter() - start

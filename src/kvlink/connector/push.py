@@ -93,8 +93,8 @@ class PushWriter:
                 if staged is None:
                     return entry["request_id"] in w.out.failed_recving
                 specs = staged.specs
-                k = engine.staged.stage_tokens
-                target_ids, target_computed = [list(staged.slots)], int(entry["local_computed_tokens"]) // k * k
+                target_ids = [list(staged.slots)] * len(self.geometry.model.groups)
+                target_computed = staged.first
             else:
                 specs = engine.plan.request_ids(entry["local_block_ids"], p_ids, entry["num_tokens"],
                                                 entry["local_computed_tokens"])

@@ -137,13 +137,17 @@ class StagingPool:
                 keep.append((until, slots))
         self._held = keep
 
-    def relayout(self, local: LocalPages, local_kernel_block_size: int, order: str, head_dim: int,
-                 runs: RunArray) -> None:
-        """Copy a finished load's tokens from its staging slots into the reader's pages."""
-        if local.stack is not None:
+    def relayout(self, local: LocalPages, groups: Sequence[int], local_kernel_block_size: int, order: str,
+                 head_dim: int, runs: Sequence[RunArray]) -> None:
+        """Copy a finished load's tokens from its staging slots into the reader's pages:
+        `runs[g]` for every attention layer of group g (`groups`: each layer's group)."""
+        if local.stack is not None and len(runs) == 1:
             copy_token_runs(self.pages, self.kernel_block_size, local.stack, local_kernel_block_size,
-                            order, head_dim, runs)
+                            order, head_dim, runs[0])
             return
-        for layer, pages in enumerate(local.layers):
+        for layer, group in enumerate(groups):
+            if not runs[group].size:
+                continue
+            pages = local.stack[layer] if local.stack is not None else local.layers[layer]
             copy_token_runs(self.pages[layer], self.kernel_block_size, pages, local_kernel_block_size,
-                            order, head_dim, runs)
+                            order, head_dim, runs[group])

@@ -9,6 +9,12 @@ into its own pages with `kvlink.layout.relayout.copy_token_runs`.
 
 `StagedPlan` is built once per (reader worker, source engine); a request computes
 integers only: the READ's descriptor indices and the re-layout's token runs.
+
+Several attention groups (a sliding-window model's local and global layers, which vLLM's
+hybrid KV cache keeps as groups aliasing one allocation) share the staging slots: slot j
+holds P's page of tokens `[first + j*k, first + (j+1)*k)` for every layer, each layer's
+page read from its own group's P block. A sliding group reads and copies only the chunks
+inside its window; each group copies into its own D blocks.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import numpy as np
 from kvlink.layout.geometry import WorkerGeometry, build_worker_geometry
 from kvlink.layout.page_order import DEFAULT_PAGE_ORDER
 from kvlink.layout.relayout import RunArray, run_granule
-from kvlink.layout.spec import FullAttention
+from kvlink.layout.spec import FullAttention, SlidingWindow
 from kvlink.plan.compat import IncompatibleLayout
 from kvlink.plan.descriptors import IntArray
 from kvlink.plan.request import ReadSpec
@@ -31,10 +37,11 @@ from kvlink.plan.transfer_plan import TransferPlan, build_transfer_plan
 
 def needs_staging(local: WorkerGeometry, remote: WorkerGeometry) -> bool:
     """True when reader `local` should read `remote` through staging pages: different kernel
-    block sizes, a page order that is not token-major, full attention only."""
+    block sizes, a page order that is not token-major, attention groups only (full or sliding
+    window)."""
     return (local.kernel_block_size != remote.kernel_block_size
             and local.page_order != DEFAULT_PAGE_ORDER
-            and all(isinstance(g, FullAttention) for g in local.model.groups))
+            and all(isinstance(g, (FullAttention, SlidingWindow)) for g in local.model.groups))
 
 
 def staging_page_bytes(local: WorkerGeometry, remote_kernel_block_size: int) -> int:
@@ -55,14 +62,20 @@ def staging_geometry(local: WorkerGeometry, remote_kernel_block_size: int, slots
 
 @dataclass(frozen=True, eq=False)
 class StagedRequest:
-    """One request: READs into `slots` of the staging area, then `runs` of token copies
+    """One request: READs into `slots` of the staging area, then `runs[g]` of token copies
     (rows of `kvlink.layout.relayout.RUN_FIELDS`: staging slot, token, D kernel page,
-    token, count), the same for every attention layer."""
+    token, count) for every attention layer of group g. Slot j holds tokens from
+    `first + j * k` (k: P's kernel block size)."""
 
     specs: list[ReadSpec]
-    runs: RunArray
+    runs: tuple[RunArray, ...]
     slots: tuple[int, ...]
     relayout_bytes: int
+    first: int = 0
+
+    @property
+    def copies(self) -> bool:
+        return any(r.size for r in self.runs)
 
 
 @dataclass(frozen=True, eq=False)
@@ -75,10 +88,28 @@ class StagedPlan:
     def stage_tokens(self) -> int:
         return self.staging.kernel_block_size
 
+    def group_starts(self, num_tokens_to_ship: int, local_computed_tokens: int) -> list[int]:
+        """First token each group copies into D's pages: D's prefix hit, and for a sliding
+        group no earlier than its window (on a chunk both block sizes share, as a direct
+        read would start)."""
+        c = gcd(self.stage_tokens, self.local.kernel_block_size)
+        starts = []
+        for group in self.local.model.groups:
+            start = local_computed_tokens
+            if isinstance(group, SlidingWindow):
+                start = max(start, max(0, num_tokens_to_ship - group.window) // c * c)
+            starts.append(start)
+        return starts
+
+    def first_token(self, num_tokens_to_ship: int, local_computed_tokens: int) -> int:
+        """The first token staged (slot 0's first): the earliest group start, on P's pages."""
+        start = min(self.group_starts(num_tokens_to_ship, local_computed_tokens))
+        return start // self.stage_tokens * self.stage_tokens
+
     def slots_needed(self, num_tokens_to_ship: int, local_computed_tokens: int) -> int:
         if num_tokens_to_ship <= local_computed_tokens:
             return 0
-        first = local_computed_tokens // self.stage_tokens * self.stage_tokens
+        first = self.first_token(num_tokens_to_ship, local_computed_tokens)
         return -(-(num_tokens_to_ship - first) // self.stage_tokens)
 
     def request(
@@ -89,63 +120,79 @@ class StagedPlan:
         """READ specs into `slots` (`slots_needed` of them) and the token runs that follow.
 
         Block lists as for `TransferPlan.request_ids`: D's from `local_computed_tokens` on,
-        P's from token 0."""
+        P's from token 0, one list per group."""
         local, k = self.local, self.stage_tokens
+        groups = len(local.model.groups)
         if local_computed_tokens < 0 or local_computed_tokens % local.block_size:
             raise ValueError(f"local_computed_tokens {local_computed_tokens} must be a non-negative "
                              f"multiple of the local block size {local.block_size}")
+        if len(local_block_ids) != groups or len(remote_block_ids) != groups:
+            raise ValueError(f"expected block ids for {groups} groups, got {len(local_block_ids)} "
+                             f"local and {len(remote_block_ids)} remote")
         need = self.slots_needed(num_tokens_to_ship, local_computed_tokens)
         if len(slots) != need:
             raise ValueError(f"request needs {need} staging slots, got {len(slots)}")
         slot_ids = np.asarray(slots, dtype=np.int64)
         if slot_ids.size and (int(slot_ids.min()) < 0 or int(slot_ids.max()) >= self.staging.num_blocks):
             raise ValueError(f"staging slots must lie in [0, {self.staging.num_blocks})")
-        first = local_computed_tokens // k * k
-        specs = self.read.request_ids([slot_ids], remote_block_ids, num_tokens_to_ship, first)
+        empty = tuple(np.zeros((0, 5), dtype=np.int64) for _ in range(groups))
         if not need:
-            return StagedRequest(specs, np.zeros((0, 5), dtype=np.int64), (), 0)
-        runs = self._runs(np.asarray(local_block_ids[0], dtype=np.int64), slot_ids, first,
-                          num_tokens_to_ship, local_computed_tokens)
-        region = local.attention_regions[0]
-        moved = int(runs[:, 4].sum()) * region.units * region.token_bytes * len(local.attention_regions)
-        touched = _touched(local, np.asarray(local_block_ids[0], dtype=np.int64), local_computed_tokens,
-                           self._end(num_tokens_to_ship))
-        specs = [ReadSpec(s.src_rank, s.local_idx, s.remote_idx, s.nbytes, (touched,)) for s in specs]
-        return StagedRequest(specs, runs, tuple(int(s) for s in slots), moved)
+            first = local_computed_tokens // k * k
+            specs = self.read.request_ids([slot_ids] * groups, remote_block_ids, num_tokens_to_ship, first)
+            return StagedRequest(specs, empty, (), 0, first)
+        first = self.first_token(num_tokens_to_ship, local_computed_tokens)
+        specs = self.read.request_ids([slot_ids] * groups, remote_block_ids, num_tokens_to_ship, first)
+        end = self._end(num_tokens_to_ship)
+        runs: list[RunArray] = []
+        touched: list[IntArray] = []
+        moved = 0
+        per_layer = {g: 0 for g in range(groups)}
+        for region in local.attention_regions:
+            per_layer[region.group] += region.units * region.token_bytes
+        for g, start in enumerate(self.group_starts(num_tokens_to_ship, local_computed_tokens)):
+            ids = np.asarray(local_block_ids[g], dtype=np.int64)
+            group_runs = self._runs(g, ids, slot_ids, first, end, local_computed_tokens, start)
+            runs.append(group_runs)
+            moved += int(group_runs[:, 4].sum()) * per_layer[g]
+            touched.append(_touched(local, ids, local_computed_tokens, start, end))
+        specs = [ReadSpec(s.src_rank, s.local_idx, s.remote_idx, s.nbytes, tuple(touched)) for s in specs]
+        return StagedRequest(specs, tuple(runs), tuple(int(s) for s in slots), moved, first)
 
     def _end(self, num_tokens: int) -> int:
         c = gcd(self.stage_tokens, self.local.kernel_block_size)
         return -(-num_tokens // c) * c
 
-    def _runs(self, local_ids: IntArray, slots: IntArray, first: int, num_tokens: int,
-              computed: int) -> RunArray:
+    def _runs(self, group: int, local_ids: IntArray, slots: IntArray, first: int, end: int,
+              computed: int, start: int) -> RunArray:
+        """Token runs of tokens [start, end) into D's blocks `local_ids` (listed from `computed`)."""
         local, k = self.local, self.stage_tokens
         dk, bs = local.kernel_block_size, local.block_size
-        end = self._end(num_tokens)
-        cuts = np.union1d(np.arange(-(-computed // k) * k, end, k, dtype=np.int64),
-                          np.arange(computed, end, dk, dtype=np.int64))
-        starts = np.union1d(cuts, [computed])
-        starts = starts[(starts >= computed) & (starts < end)]
+        if start >= end:
+            return np.zeros((0, 5), dtype=np.int64)
+        cuts = np.union1d(np.arange(-(-start // k) * k, end, k, dtype=np.int64),
+                          np.arange(-(-start // dk) * dk, end, dk, dtype=np.int64))
+        starts = np.union1d(cuts, [start])
+        starts = starts[(starts >= start) & (starts < end)]
         counts = np.diff(np.append(starts, end))
         blocks = (starts - computed) // bs
         if int(blocks[-1]) >= local_ids.size:
-            raise ValueError(f"local block list of group 0 has {local_ids.size} blocks but tokens "
-                             f"[{computed}, {num_tokens}) need {int(blocks[-1]) + 1}")
+            raise ValueError(f"local block list of group {group} has {local_ids.size} blocks but tokens "
+                             f"[{computed}, {end}) need {int(blocks[-1]) + 1}")
         logical = local_ids[blocks]
         if int(logical.min()) < 0 or int(logical.max()) >= local.num_blocks:
-            raise ValueError(f"local block ids of group 0 must lie in [0, {local.num_blocks}); got "
+            raise ValueError(f"local block ids of group {group} must lie in [0, {local.num_blocks}); got "
                              f"range [{int(logical.min())}, {int(logical.max())}]")
         d_page = logical * local.physical_per_logical + (starts % bs) // dk
         s_page = slots[(starts - first) // k]
         return np.stack([s_page, starts % k, d_page, starts % dk, counts], axis=1).astype(np.int64)
 
 
-def _touched(local: WorkerGeometry, local_ids: IntArray, computed: int, end: int) -> IntArray:
-    """D's logical blocks that tokens [computed, end) of the request write into."""
-    if end <= computed:
+def _touched(local: WorkerGeometry, local_ids: IntArray, computed: int, start: int, end: int) -> IntArray:
+    """D's logical blocks (listed from token `computed`) that tokens [start, end) write into."""
+    if end <= start:
         return np.zeros(0, dtype=np.int64)
     last = (end - 1 - computed) // local.block_size
-    return local_ids[: last + 1]
+    return local_ids[(start - computed) // local.block_size: last + 1]
 
 
 def build_staged_plan(local: WorkerGeometry, staging: WorkerGeometry,
@@ -154,7 +201,7 @@ def build_staged_plan(local: WorkerGeometry, staging: WorkerGeometry,
     remote = next(iter(remotes.values()))
     if not needs_staging(local, remote):
         raise ValueError("staging is for different kernel block sizes of a non token-major page "
-                         "order and full attention only")
+                         "order and attention groups only")
     if staging.kernel_block_size != remote.kernel_block_size:
         raise ValueError(f"staging pages hold {staging.kernel_block_size} tokens, P's kernel "
                          f"blocks {remote.kernel_block_size}")
