@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from layerwise_client import layerwise_answers, writes_during_prefill
@@ -38,6 +38,7 @@ WINDOW = TINY_SLIDING_WINDOW
 LOCAL_LAYERS, GLOBAL_LAYERS = 3, 1
 PAGE_BYTES = BLOCK * 1 * 2 * 64 * 4  # one layer's block: 32 tokens, 1 KV head, K and V of 64, fp32
 VERIFIED = "vllm:kvlink_kv_verified_units_total"
+STAGED = "vllm:kvlink_staged_loads_total"
 PROMPTS = ["The last keeper of the lighthouse was",
            " ".join(f"Line {i}: the tide came in over the rocks." for i in range(14)),
            " ".join(f"Entry {i} of the keeper's log mentions a storm." for i in range(30))]
@@ -53,14 +54,15 @@ EXTENDED = PREFIX + " Then the fog came and the bell rang all night."
 
 def tagged() -> list[str]:
     return ([f"({mode}) {p}" for mode in ("pull", "push", "layerwise") for p in PROMPTS] + [PREFIX, EXTENDED]
-            + [between(direction, mode) for direction in DIRECTIONS for mode in ("pull", "push")])
+            + [between(direction, mode, i) for direction in DIRECTIONS for mode in ("pull", "push", "layerwise")
+               for i in (1, 2)])
 
 
 DIRECTIONS = ("64->32", "32->64")
 
 
-def between(direction: str, mode: str) -> str:
-    return f"({mode} {direction}) {PROMPTS[2]}"
+def between(direction: str, mode: str, index: int = 2) -> str:
+    return f"({mode} {direction}) {PROMPTS[index]}"
 
 
 def expected_bytes(num_tokens: int, computed: int = 0) -> int:
@@ -77,6 +79,15 @@ def expected_bytes(num_tokens: int, computed: int = 0) -> int:
     return (GLOBAL_LAYERS * full + LOCAL_LAYERS * local) * PAGE_BYTES
 
 
+def staged_bytes(num_tokens: int, p_block: int) -> int:
+    """KV bytes D reads between block sizes: whole P pages into its staging pages, the global
+    layer's every page, each local layer's from the page holding the first token the
+    recomputed one attends to."""
+    pages = -(-(num_tokens - 1) // p_block)
+    window_page = max(0, num_tokens - WINDOW) // p_block
+    return (GLOBAL_LAYERS * pages + LOCAL_LAYERS * (pages - window_page)) * p_block * PAGE_BYTES // BLOCK
+
+
 @pytest.fixture(scope="module")
 def gemma_dir() -> Path:
     return tiny_gemma3_dir()
@@ -90,8 +101,12 @@ def references(vllm_servers: VllmServers, gemma_dir: Path) -> dict[str, list[int
 
 
 @pytest.fixture(scope="module")
-def pair(vllm_servers: VllmServers, gemma_dir: Path, references: dict[str, list[int]]) -> Iterator[PdPair]:
-    secret = new_secret()
+def secret() -> str:
+    return new_secret()
+
+
+@pytest.fixture(scope="module")
+def pair(vllm_servers: VllmServers, gemma_dir: Path, references: dict[str, list[int]], secret: str) -> Iterator[PdPair]:
     for services in vllm_servers.serve(*(
             vllm_servers.kvlink_spec(gemma_dir, f"swa-{name}", cores, secret, block_size=BLOCK, args=ARGS)
             for name, cores in (("p", "0"), ("d", "1")))):
@@ -149,6 +164,57 @@ def test_d_prefix_hit_moves_only_the_missing_part(pair: PdPair, references: dict
     assert 0 < nbytes < expected_bytes(pair.tokens(EXTENDED))
 
 
+
+@pytest.fixture(scope="class")
+def big(vllm_servers: VllmServers, gemma_dir: Path, pair: PdPair, secret: str) -> Iterator[Service]:
+    """A server of 64-token blocks (allocator on), for the class below only."""
+    for (server,) in vllm_servers.serve(vllm_servers.kvlink_spec(
+            gemma_dir, "swa-64", "1", secret, block_size=2 * BLOCK, args=ARGS)):
+        yield server
+
+
+class TestBetweenBlockSizes:
+    """The hybrid allocator on (groups aliasing one allocation, P's sliding lists starting with
+    null blocks) and P and D of different block sizes: D reads whole P pages of every layer
+    into its staging pages (the sliding layers' from the window on) and copies each group's
+    tokens into that group's own blocks. A third server, of 64-token blocks, lives for this
+    class only (the module's other servers are two; the allocator-off pair comes after)."""
+
+    @staticmethod
+    def ends(pair: PdPair, big: Service, direction: str) -> tuple[Any, Any, int]:
+        return (big, pair.d, 2 * BLOCK) if direction == "64->32" else (pair.p, big, BLOCK)
+
+    @pytest.mark.parametrize("direction", DIRECTIONS)
+    @pytest.mark.parametrize("mode", ["pull", "push"])
+    @pytest.mark.parametrize("index", [1, 2])
+    def test_pd_equals_colocated(self, pair: PdPair, big: Service, references: dict[str, list[int]],
+                                 direction: str, mode: str, index: int) -> None:
+        p, d, p_block = self.ends(pair, big, direction)
+        prompt = between(direction, mode, index)
+        checked, staged = metric(d.url, VERIFIED), metric(d.url, STAGED)
+        ids, params, nbytes = pair.run(prompt, mode, p, d)
+        n = pair.tokens(prompt)
+        assert len(params["remote_block_ids"]) == LOCAL_LAYERS + GLOBAL_LAYERS
+        if n > 2 * CHUNK:  # P freed what lay behind the window
+            assert sum(ids_[0] == 0 for ids_ in params["remote_block_ids"]) == LOCAL_LAYERS
+        assert ids == references[prompt]
+        if mode == "pull":  # whole P pages, the sliding layers' from the window on
+            assert nbytes == staged_bytes(n, p_block)
+        assert wait_metric(d.url, STAGED, staged) > staged  # through D's staging pages (a push as a staged pull)
+        assert wait_metric(d.url, VERIFIED, checked) > checked  # D checked P's digests on the staged pages
+
+    @pytest.mark.parametrize("direction", DIRECTIONS)
+    def test_layerwise_equals_colocated(self, pair: PdPair, big: Service, references: dict[str, list[int]],
+                                        direction: str, tmp_path: Path) -> None:
+        """`kvlink proxy --mode layerwise`: P WRITEs each layer's whole pages into D's staging
+        pages as its chunks finish (the sliding layers' inside the final window), D re-lays them
+        out into each group's blocks and reads nothing."""
+        p, d, _ = self.ends(pair, big, direction)
+        prompts = [between(direction, "layerwise", i) for i in (1, 2)]
+        staged = metric(d.url, STAGED)
+        got = layerwise_answers(p, d, pair.model, prompts, tmp_path, name=f"router-layerwise-{direction[:2]}")
+        assert [ids for ids, _ in got] == [references[prompt] for prompt in prompts]
+        assert metric(d.url, STAGED) >= staged + len(prompts)
 
 # The hybrid allocator off: one FullAttentionSpec group (with a sliding window) of all four
 # layers, every block kept, so the KV moves whole. Its servers, of 32- and 64-token blocks and

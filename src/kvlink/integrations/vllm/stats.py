@@ -36,6 +36,9 @@ COUNTERS = {
     "cancelled_loads_total": "kvlink push or layerwise loads D asked P to stop (the request ended first).",
     "cancelled_pushes_total": "kvlink pushes P stopped because D's request ended first.",
     "conv_relayout_bytes_total": "kvlink SSM conv-state bytes D re-laid out from its P's layout (DS/SD) into its own.",
+    "staged_loads_total": "kvlink loads D read through its staging pages (P and D of different kernel block sizes).",
+    "relayout_bytes_total": "kvlink KV bytes D copied from its staging pages into its own blocks.",
+    "push_as_staged_pull_total": "kvlink pushes D turned into staged pulls (P's WRITE cannot re-lay out pages).",
 }
 # Levels right now, per worker (`get_stats()["gauges"]`); TP ranks hold the same requests and
 # vLLM's (logical) block ids, so a step's value is the largest over its ranks.
