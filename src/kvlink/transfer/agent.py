@@ -24,17 +24,36 @@ from kvlink.transfer.xfer import Op, Transfer, TransferFailed, TransferTelemetry
 
 logger = logging.getLogger(__name__)
 
+MemType = Literal["DRAM", "VRAM"]
+"""NIXL memory kind of registered regions and prepared lists: host memory or GPU memory."""
+MEM_TYPES: tuple[MemType, ...] = ("DRAM", "VRAM")
+
+
+def check_mem_type(mem_type: str) -> MemType:
+    """``mem_type`` if NIXL knows it as a memory kind kvlink uses, else ``ValueError``."""
+    if mem_type not in MEM_TYPES:
+        raise ValueError(f"mem_type must be one of {', '.join(MEM_TYPES)}, got {mem_type!r}")
+    return mem_type  # type: ignore[return-value]
+
 
 class NixlAgent:
     """Wraps one ``nixl_agent``; not thread-safe, so one thread should own it.
 
     Prepared descriptor lists are named by small integer handles. Every NIXL
     error on a transfer path surfaces as ``TransferFailed``.
+
+    ``mem_type`` is the memory kind of this agent's KV, chosen once: ``"DRAM"`` (host
+    memory, the default) or ``"VRAM"`` (GPU memory; descriptors then carry the CUDA device
+    id in their third column, as the layout's ``device_id`` does). Regions and lists take
+    it unless a call names another kind, e.g. a host-memory table next to a GPU KV cache.
+    A remote list takes the same kind: the peer's memory is assumed to be of this agent's kind.
     """
 
-    def __init__(self, name: str, config: AgentConfig | None = None) -> None:
+    def __init__(self, name: str, config: AgentConfig | None = None, *,
+                 mem_type: MemType = "DRAM") -> None:
         self.config = config or AgentConfig()
         self.name = name
+        self.mem_type: MemType = check_mem_type(mem_type)
         self._agent: Any = create_raw_agent(name, self.config)
         self._registered: dict[tuple[int, int], Any] = {}
         self._remotes: dict[str, bytes] = {}
@@ -43,14 +62,22 @@ class NixlAgent:
         self._unreleased: list[Transfer] = []
         self._pending_notifs: dict[str, list[bytes]] = {}
 
-    def register_regions(self, regions: npt.ArrayLike | Sequence[tuple[int, int]]) -> int:
-        """Register DRAM regions given as (addr, nbytes); returns how many were new."""
+    def register_regions(self, regions: npt.ArrayLike | Sequence[tuple[int, int]], *,
+                         mem_type: MemType | None = None, device_id: int = 0) -> int:
+        """Register regions given as (addr, nbytes) as ``mem_type`` (default: the agent's) on
+        ``device_id`` (the CUDA device for VRAM; 0 for DRAM); returns how many were new."""
+        kind = self._kind(mem_type)
+        if device_id < 0:
+            raise ValueError(f"device_id must be >= 0, got {device_id}")
         # Aliased layers (one memory, several layers) give the same region more than once.
         fresh = [r for r in dict.fromkeys(as_regions(regions)) if r not in self._registered]
         for addr, nbytes in fresh:
-            descs = np.array([[addr, nbytes, 0]], dtype=np.uint64)
-            self._registered[(addr, nbytes)] = self._agent.register_memory(descs, "DRAM")
+            descs = np.array([[addr, nbytes, device_id]], dtype=np.uint64)
+            self._registered[(addr, nbytes)] = self._agent.register_memory(descs, kind)
         return len(fresh)
+
+    def _kind(self, mem_type: MemType | None) -> MemType:
+        return self.mem_type if mem_type is None else check_mem_type(mem_type)
 
     def deregister_all(self) -> None:
         for reg_descs in self._registered.values():
@@ -93,20 +120,24 @@ class NixlAgent:
     def remote_names(self) -> frozenset[str]:
         return frozenset(self._remotes)
 
-    def prep_local(self, descs: npt.ArrayLike) -> int:
-        """Prepare local descriptors ``Nx3 (addr, len, dev)``; returns a handle."""
-        return self._prep("", as_xfer_descs(descs))
+    def prep_local(self, descs: npt.ArrayLike, *, mem_type: MemType | None = None) -> int:
+        """Prepare local descriptors ``Nx3 (addr, len, dev)`` of ``mem_type`` (default: the
+        agent's); returns a handle."""
+        return self._prep("", as_xfer_descs(descs), self._kind(mem_type))
 
-    def prep_remote(self, remote_name: str, descs: npt.ArrayLike) -> int:
-        """Prepare descriptors of a loaded peer; returns a handle."""
+    def prep_remote(self, remote_name: str, descs: npt.ArrayLike, *,
+                    mem_type: MemType | None = None) -> int:
+        """Prepare descriptors of a loaded peer, of ``mem_type`` (default: the agent's);
+        returns a handle."""
+        kind = self._kind(mem_type)
         if remote_name not in self._remotes:
             raise KeyError(
                 f"agent {self.name}: peer {remote_name!r} is not loaded; add_remote first"
             )
-        return self._prep(remote_name, as_xfer_descs(descs))
+        return self._prep(remote_name, as_xfer_descs(descs), kind)
 
-    def _prep(self, remote_name: str, descs: npt.NDArray[np.uint64]) -> int:
-        native = self._agent.prep_xfer_dlist(remote_name, descs, "DRAM")
+    def _prep(self, remote_name: str, descs: npt.NDArray[np.uint64], mem_type: MemType) -> int:
+        native = self._agent.prep_xfer_dlist(remote_name, descs, mem_type)
         handle = self._next_dlist
         self._next_dlist += 1
         self._dlists[handle] = PreparedList(native, descs, remote_name)
