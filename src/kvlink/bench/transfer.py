@@ -9,6 +9,10 @@ order rotated each round; ratios are taken within a round and their median repor
 Every figure comes from one run on this machine. Sizes are the shipped tokens of one
 request; the KV pool of each side holds the largest request, and the layer count is
 cut (the same for every size) so that one side's pool stays under `max_gib`.
+
+`memory="cuda"` puts both sides' KV in GPU memory (torch CUDA tensors on device 0,
+registered with NIXL as VRAM) and times a device-to-device torch copy instead of the numpy
+one. The connector's KV digests read pages through host pointers, so that needs `verify_kv="off"`.
 """
 
 from __future__ import annotations
@@ -60,6 +64,8 @@ from kvlink.transfer.framing import SECRET_ENV
 NODE = "kvlink.bench.transfer_node"
 MAX_GIB = float_range(1 / 1024, 1024.0)
 """--max-gib: one side's KV pool."""
+MEMORY_KINDS = ("cpu", "cuda")
+"""--memory: where each side's KV lives (host memory, NIXL DRAM; GPU 0, NIXL VRAM)."""
 Log = Callable[[str], None]
 
 
@@ -82,6 +88,7 @@ class BenchOptions:
     d_netns: str | None = None
     p_host: str = "127.0.0.1"  # where P's side channel listens (and D reaches it)
     d_host: str = "127.0.0.1"
+    memory: str = "cpu"  # MEMORY_KINDS
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -97,6 +104,11 @@ class BenchOptions:
             check(name, value, bound)
         if self.mode not in ("pull", "push"):
             raise ValueError(f"--mode must be pull or push, got {self.mode!r}")
+        if self.memory not in MEMORY_KINDS:
+            raise ValueError(f"--memory must be one of {', '.join(MEMORY_KINDS)}, got {self.memory!r}")
+        if self.memory == "cuda" and self.verify_kv != "off":
+            raise ValueError(f"--memory cuda needs --verify-kv off (got {self.verify_kv}): the connector's "
+                             "KV digests read the pages through host pointers, which GPU memory is not")
         for side, netns, host in (("p", self.p_netns, self.p_host), ("d", self.d_netns, self.d_host)):
             if netns is not None and host.startswith("127."):
                 raise ValueError(f"--{side}-netns {netns}: expected --{side}-host, an address of that "
@@ -123,7 +135,23 @@ def plan_sizes(options: BenchOptions) -> dict[str, Any]:
             "side_bytes": per_layer * layers, "token_bytes": per_layer_token_bytes(options) * layers}
 
 
-def memcpy_gbps(nbytes: int, repeats: int) -> dict[str, float]:
+def cuda_unavailable() -> str | None:
+    """Why `--memory cuda` cannot run here, or None when torch sees a CUDA device."""
+    try:
+        import torch
+    except ImportError as exc:
+        return f"--memory cuda needs torch with CUDA, and torch cannot be imported ({exc})"
+    if not torch.cuda.is_available():
+        return (f"--memory cuda needs a CUDA device, and torch {torch.__version__} sees none "
+                f"(torch.version.cuda={torch.version.cuda}); use --memory cpu")
+    return None
+
+
+def memcpy_gbps(nbytes: int, repeats: int, memory: str = "cpu") -> dict[str, float]:
+    """Median time and rate of one copy of `nbytes` in one process: numpy in host memory, or
+    (memory="cuda") a torch device-to-device copy on GPU 0, synchronized."""
+    if memory == "cuda":
+        return _cuda_copy_gbps(nbytes, repeats)
     src = np.empty(nbytes, dtype=np.uint8)
     dst = np.empty(nbytes, dtype=np.uint8)
     src.fill(1)
@@ -135,6 +163,29 @@ def memcpy_gbps(nbytes: int, repeats: int) -> dict[str, float]:
         times.append(time.perf_counter() - t0)
     best = statistics.median(times)
     return {"s": best, "gbps": nbytes / best / 1e9}
+
+
+def _cuda_copy_gbps(nbytes: int, repeats: int) -> dict[str, float]:
+    import torch
+
+    src = torch.full((nbytes,), 1, dtype=torch.uint8, device="cuda:0")
+    dst = torch.full((nbytes,), 2, dtype=torch.uint8, device="cuda:0")
+    dst.copy_(src)  # warm-up
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    del src, dst
+    torch.cuda.empty_cache()
+    best = statistics.median(times)
+    return {"s": best, "gbps": nbytes / best / 1e9}
+
+
+def memcpy_label(memory: str) -> str:
+    return "torch cuda copy" if memory == "cuda" else "numpy memcpy"
 
 
 class _Side:
@@ -153,7 +204,8 @@ class _Side:
                "layers": sizes["layers"], "block_size": options.block_size,
                "num_blocks": sizes["pool_blocks"], "fill": fill, "lease_s": 120.0,
                "stall_timeout_s": 60.0, "transfer_mode": options.mode, "verify_kv": options.verify_kv,
-               "active_poll_s": float(os.environ.get("KVLINK_BENCH_POLL_S", "0.001"))}
+               "active_poll_s": float(os.environ.get("KVLINK_BENCH_POLL_S", "0.001")),
+               "memory": options.memory}
         self.peers = [
             PeerProcess([*prefix, *python_argv(NODE, {**cfg, "rank": r})], f"{engine_id}-r{r}",
                         env=peer_env({**side_env, **(env if r == 0 else {}), SECRET_ENV: secret}),
@@ -198,17 +250,20 @@ def _ucx_get_protocol(log: str) -> str:
 
 def run_bench(options: BenchOptions, log: Log = print) -> dict[str, Any]:
     sizes = plan_sizes(options)
+    if options.memory == "cuda" and (why := cuda_unavailable()) is not None:
+        raise RuntimeError(why)
     token_bytes = sizes["token_bytes"]
     log(f"kvlink bench transfer: {options.preset}, {sizes['layers']}/{sizes['model_layers']} layers, "
         f"TP {options.p_tp} -> {options.d_tp}, mode {options.mode}, block {options.block_size}, "
         f"pool {sizes['pool_blocks']} blocks = {sizes['side_bytes'] / 2**30:.2f} GiB per side, "
-        f"{token_bytes / 1024:.0f} KiB/token")
+        f"{token_bytes / 1024:.0f} KiB/token, KV in {_memory_words(options.memory)}, "
+        f"verify-kv {options.verify_kv}")
     log(f"UCX_TLS={os.environ.get('UCX_TLS', '<unset: UCX default>')} "
         f"UCX_NET_DEVICES={os.environ.get('UCX_NET_DEVICES', '<unset>')}")
     memcpy = {}
     for tokens in options.tokens:
-        memcpy[tokens] = memcpy_gbps(tokens * token_bytes, options.repeats)
-        log(f"  numpy memcpy {tokens:>6} tokens ({tokens * token_bytes / 2**20:8.1f} MiB): "
+        memcpy[tokens] = memcpy_gbps(tokens * token_bytes, options.repeats, options.memory)
+        log(f"  {memcpy_label(options.memory)} {tokens:>6} tokens ({tokens * token_bytes / 2**20:8.1f} MiB): "
             f"{memcpy[tokens]['gbps']:.2f} GB/s")
     log_dir = Path(tempfile.mkdtemp(prefix="kvlink-bench-transfer-"))
     ucx_env = {"UCX_PROTO_INFO": "y"}
@@ -231,10 +286,15 @@ def run_bench(options: BenchOptions, log: Log = print) -> dict[str, Any]:
         result = runner.run(memcpy)
         result["ucx_get_protocol"] = _ucx_get_protocol(d.peers[0].log_tail(2_000_000))
         result["ucx_tls"] = os.environ.get("UCX_TLS", "")
+        result["memcpy_label"] = memcpy_label(options.memory)
         log(f"  UCX remote-read protocol (D rank 0): {result['ucx_get_protocol']}")
         return result
     finally:
         stop_all(peers)
+
+
+def _memory_words(memory: str) -> str:
+    return "GPU memory (cuda:0, NIXL VRAM)" if memory == "cuda" else "host memory (NIXL DRAM)"
 
 
 class _Runner:

@@ -16,6 +16,10 @@ Commands on top of `transfer_peer.PeerServer`:
   planned descriptors, without notifications, tracking or stats: what the connector adds
   on top of NIXL for the very same descriptors.
 * `digest {pages}`: blake2b of (region, page) pages, to check the bytes that moved.
+
+With `memory: "cuda"` in the config the KV buffer is a torch CUDA tensor on device 0 and
+every agent of the process (the connector's and the bare one) registers and prepares it as
+NIXL VRAM; filling and digests go through host copies, outside any timed part.
 """
 
 from __future__ import annotations
@@ -33,9 +37,10 @@ import numpy.typing as npt
 from kvlink.bench.transfer_peer import PeerServer, configure_logging, protocol_stream
 from kvlink.connector.pull import local_tail
 from kvlink.layout.geometry import build_worker_geometry, packed_base_addrs
-from kvlink.transfer.agent import NixlAgent
+from kvlink.transfer.agent import MemType, NixlAgent
 
 ALIGN = 4096
+CUDA_DEVICE = 0
 T = TypeVar("T")
 
 
@@ -76,22 +81,83 @@ def cpu_outside(call: Callable[[], T], inner: Sequence[CpuMeter]) -> tuple[T, fl
     return out, (time.thread_time() - cpu0) - (sum(m.cpu_s for m in inner) - inner0)
 
 
+class KvBuffer:
+    """One page-aligned KV buffer: host memory (numpy) or GPU memory (a torch CUDA tensor)."""
+
+    def __init__(self, size: int, memory: str) -> None:
+        self.memory, self.nbytes = memory, size
+        self.mem_type: MemType = "VRAM" if memory == "cuda" else "DRAM"
+        self.device_id = CUDA_DEVICE if memory == "cuda" else 0
+        if memory == "cuda":
+            import torch
+
+            self._alloc: Any = torch.empty(size + ALIGN, dtype=torch.uint8, device=f"cuda:{CUDA_DEVICE}")
+            shift = (-self._alloc.data_ptr()) % ALIGN
+            self.data: Any = self._alloc[shift:shift + size]
+            self.addr = int(self.data.data_ptr())
+        else:
+            self._alloc = np.empty(size + ALIGN, dtype=np.uint8)
+            shift = (-self._alloc.ctypes.data) % ALIGN
+            self.data = self._alloc[shift:shift + size]
+            self.addr = int(self.data.ctypes.data)
+
+    def host_view(self) -> npt.NDArray[np.uint8]:
+        """Bytes to fill, then `commit`: the buffer itself in host memory, else a host copy."""
+        return self.data if self.memory == "cpu" else np.empty(self.nbytes, dtype=np.uint8)
+
+    def commit(self, host: npt.NDArray[np.uint8]) -> None:
+        """Copy what `host_view` returned into GPU memory (and wait until it is there)."""
+        if self.memory == "cuda":
+            import torch
+
+            self.data.copy_(torch.from_numpy(host))
+            torch.cuda.synchronize()
+
+    def read(self, start: int, nbytes: int) -> bytes:
+        """`nbytes` bytes at offset `start`, copied to host memory."""
+        piece = self.data[start:start + nbytes]
+        return bytes(piece.cpu().numpy().tobytes() if self.memory == "cuda" else piece.tobytes())
+
+
+def use_vram_agents() -> None:
+    """Make the connector worker of this process build its agent with the VRAM kind.
+
+    `NixlWorker.register_kv_caches` builds its `NixlAgent` itself with the default kind
+    (DRAM); in a benchmark process whose KV lives on the GPU, the name it builds from is
+    pointed at a VRAM subclass. Only for `verify_kv="off"`: with digests on, the connector
+    registers host-memory tables through the same agent.
+    """
+    import kvlink.connector.worker as worker_module
+
+    class VramAgent(NixlAgent):
+        def __init__(self, name: str, config: Any = None, *, mem_type: MemType = "VRAM") -> None:
+            super().__init__(name, config, mem_type=mem_type)
+
+    setattr(worker_module, "NixlAgent", VramAgent)  # noqa: B010
+
+
 class BenchPeer(PeerServer):
     def __init__(self, cfg: dict[str, Any], out: IO[str]) -> None:
         super().__init__(cfg, out)
+        memory = str(cfg.get("memory", "cpu"))
+        if memory not in ("cpu", "cuda"):
+            raise ValueError(f"memory must be cpu or cuda, got {memory!r}")
+        if memory == "cuda":
+            if self.config.verify_kv != "off":
+                raise ValueError("memory cuda needs verify_kv off (the connector's digests read host memory)")
+            use_vram_agents()
         probe = packed_base_addrs(self.model, self.tp_size, self.block_size, self.kernel_block_size,
                                   self.num_blocks, 0, align=ALIGN)
         geo = build_worker_geometry(self.model, self.tp_size, self.tp_rank, self.block_size,
                                     self.kernel_block_size, self.num_blocks, probe)
         size = max(r.end for r in geo.regions)
-        self._alloc = np.empty(size + ALIGN, dtype=np.uint8)
-        shift = (-self._alloc.ctypes.data) % ALIGN
-        self.buf = self._alloc[shift:shift + size]
+        self.buf = KvBuffer(size, memory)
         self._fill(str(cfg.get("fill", "pattern")))
         bases = packed_base_addrs(self.model, self.tp_size, self.block_size, self.kernel_block_size,
-                                  self.num_blocks, self.buf.ctypes.data, align=ALIGN)
+                                  self.num_blocks, self.buf.addr, align=ALIGN)
         self.geometry = build_worker_geometry(self.model, self.tp_size, self.tp_rank, self.block_size,
-                                              self.kernel_block_size, self.num_blocks, bases)
+                                              self.kernel_block_size, self.num_blocks, bases,
+                                              device_id=self.buf.device_id)
         self.start([r.base for r in self.geometry.regions],
                    [r.page_stride * r.num_pages for r in self.geometry.regions])
         self.meters = {k: CpuMeter() for k in ("plan", "post", "transfer", "check", "progress")}
@@ -104,12 +170,14 @@ class BenchPeer(PeerServer):
 
     def _fill(self, how: str) -> None:
         """Touch every page now (so no page fault lands inside a timed transfer)."""
+        host = self.buf.host_view()
         if how == "pattern":  # distinct 8-byte words, so misplaced bytes would show in digests
-            words = self.buf[: self.buf.size // 8 * 8].view(np.uint64)
+            words = host[: host.size // 8 * 8].view(np.uint64)
             words[:] = np.arange(words.size, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
             words ^= np.uint64(self.tp_rank + 1)
         else:
-            self.buf.fill(0x5A)
+            host.fill(0x5A)
+        self.buf.commit(host)
 
     # ---- instrumentation ----------------------------------------------------------------
     def _instrument(self) -> None:
@@ -184,13 +252,14 @@ class BenchPeer(PeerServer):
     # ---- raw NIXL -----------------------------------------------------------------------
     def _raw_agent(self) -> NixlAgent:
         if self.raw_agent is None:
-            self.raw_agent = NixlAgent(f"raw-{self.config.engine_id}-r{self.tp_rank}")
-            self.raw_agent.register_regions([(self.buf.ctypes.data, self.buf.nbytes)])
+            self.raw_agent = NixlAgent(f"raw-{self.config.engine_id}-r{self.tp_rank}",
+                                       mem_type=self.buf.mem_type)
+            self.raw_agent.register_regions([(self.buf.addr, self.buf.nbytes)], device_id=self.buf.device_id)
         return self.raw_agent
 
     def cmd_raw_expose(self, args: dict[str, Any]) -> dict[str, Any]:
         agent = self._raw_agent()
-        return {"metadata": agent.metadata().hex(), "base": self.buf.ctypes.data, "size": self.buf.nbytes}
+        return {"metadata": agent.metadata().hex(), "base": self.buf.addr, "size": self.buf.nbytes}
 
     def cmd_raw_read(self, args: dict[str, Any]) -> dict[str, Any]:
         """READ `nbytes`, split evenly over the `remotes` (exposed P buffers), into this buffer:
@@ -215,8 +284,9 @@ class BenchPeer(PeerServer):
                 else:
                     local_off = local_slots[i * count:(i + 1) * count] * desc
                     remote_off = _spread(rng, int(remote["size"]) // desc, count) * desc
-                lh = agent.prep_local(_descs(self.buf.ctypes.data + local_off, desc))
-                rh = agent.prep_remote(name, _descs(int(remote["base"]) + remote_off, desc))
+                dev = self.buf.device_id
+                lh = agent.prep_local(_descs(self.buf.addr + local_off, desc, dev))
+                rh = agent.prep_remote(name, _descs(int(remote["base"]) + remote_off, desc, dev))
                 plans.append((name, lh, rh))
             idx = np.arange(count, dtype=np.int64)
             times, merged = [], 0
@@ -252,8 +322,9 @@ class BenchPeer(PeerServer):
         key = remote["metadata"]
         if key not in self._raw_remotes:
             name = agent.add_remote(bytes.fromhex(key))
-            lh = agent.prep_local(_descs(np.array([self.buf.ctypes.data], dtype=np.int64), ALIGN))
-            rh = agent.prep_remote(name, _descs(np.array([int(remote["base"])], dtype=np.int64), ALIGN))
+            dev = self.buf.device_id
+            lh = agent.prep_local(_descs(np.array([self.buf.addr], dtype=np.int64), ALIGN, dev))
+            rh = agent.prep_remote(name, _descs(np.array([int(remote["base"])], dtype=np.int64), ALIGN, dev))
             idx = np.zeros(1, dtype=np.int64)
             _read_all(agent, [(lh, idx, rh, idx)])
             agent.release_dlist(lh)
@@ -265,9 +336,8 @@ class BenchPeer(PeerServer):
         out = []
         for region_index, page in args["pages"]:
             region = self.geometry.regions[int(region_index)]
-            start = region.base - self.buf.ctypes.data + int(page) * region.page_stride
-            out.append(hashlib.blake2b(self.buf[start:start + region.page_len].tobytes(),
-                                       digest_size=16).hexdigest())
+            start = region.base - self.buf.addr + int(page) * region.page_stride
+            out.append(hashlib.blake2b(self.buf.read(start, region.page_len), digest_size=16).hexdigest())
         return {"digests": out}
 
     def cmd_info(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -304,10 +374,11 @@ def _spread(rng: np.random.Generator, slots: int, count: int) -> npt.NDArray[np.
     return picked
 
 
-def _descs(addrs: npt.NDArray[np.int64], length: int) -> npt.NDArray[np.uint64]:
+def _descs(addrs: npt.NDArray[np.int64], length: int, device_id: int = 0) -> npt.NDArray[np.uint64]:
     out = np.zeros((addrs.size, 3), dtype=np.uint64)
     out[:, 0] = addrs.astype(np.uint64)
     out[:, 1] = length
+    out[:, 2] = device_id
     return out
 
 

@@ -20,7 +20,7 @@ def progress_line(row: dict[str, Any]) -> str:
 def table(result: dict[str, Any]) -> str:
     head = ("| tokens | layout | MiB | descriptors (rank 0) | connector ms | connector GB/s | "
             "raw NIXL ms | raw GB/s | raw descriptors | connector / raw (per-round median, range) | "
-            "connector / NIXL with its own descriptors | numpy memcpy GB/s | "
+            f"connector / NIXL with its own descriptors | {result.get('memcpy_label', 'numpy memcpy')} GB/s | "
             "connector CPU ms (plan / post) | CPU % of transfer |")
     lines = [head, "|---:|:---|" + "---:|" * 12]
     for r in result["rows"]:
@@ -78,7 +78,7 @@ def plot(result: dict[str, Any], path: str) -> None:
             ax.plot([r["tokens"] for r in own], [r["rank0_nbytes"] / r["same_s"] / 1e9 for r in own],
                     "^" + style, alpha=0.6, label=f"NIXL over the connector's descriptors ({layout} ids)")
     ax.plot(tokens, [result["memcpy"][t]["gbps"] if t in result["memcpy"] else result["memcpy"][str(t)]["gbps"]
-                     for t in tokens], "k:", label="numpy memcpy (one process)")
+                     for t in tokens], "k:", label=f"{result.get('memcpy_label', 'numpy memcpy')} (one process)")
     o, s = result["options"], result["sizes"]
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens per request")

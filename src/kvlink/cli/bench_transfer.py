@@ -8,7 +8,14 @@ import json
 import os
 import sys
 
-from kvlink.bench.transfer import MAX_GIB, BenchOptions, plan_sizes, run_bench
+from kvlink.bench.transfer import (
+    MAX_GIB,
+    MEMORY_KINDS,
+    BenchOptions,
+    cuda_unavailable,
+    plan_sizes,
+    run_bench,
+)
 from kvlink.bench.transfer_report import plot, table, verdicts
 from kvlink.cli.ranges import ranged, ranged_list
 from kvlink.connector.config import VERIFY_MODES, ConnectorConfig
@@ -32,9 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--d-tp", type=ranged(TP), default=1, help="decode TP size")
     parser.add_argument("--mode", choices=("pull", "push"), default="pull")
     parser.add_argument("--block-size", type=ranged(BLOCK_SIZE), default=16)
-    parser.add_argument("--verify-kv", choices=VERIFY_MODES, default=ConnectorConfig.verify_kv,
+    parser.add_argument("--verify-kv", choices=VERIFY_MODES, default=None,
                         help="KV integrity check of every request (off, sample, full; default "
-                             f"{ConnectorConfig.verify_kv}, the connector's)")
+                             f"{ConnectorConfig.verify_kv}, the connector's; off with --memory cuda, "
+                             "which takes no other)")
+    parser.add_argument("--memory", choices=MEMORY_KINDS, default="cpu",
+                        help="where P's and D's KV live: cpu (host memory, NIXL DRAM; default) or cuda "
+                             "(torch tensors on CUDA device 0, NIXL VRAM; needs a GPU)")
     parser.add_argument("--repeats", type=ranged(COUNT), default=9,
                         help="minimum rounds per size and layout; each round times the connector, raw "
                              "NIXL and NIXL over the connector's descriptors (medians of per-round ratios)")
@@ -57,15 +68,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    verify_kv = args.verify_kv or ("off" if args.memory == "cuda" else ConnectorConfig.verify_kv)
     try:
         options = BenchOptions(preset=args.preset, tokens=args.tokens, p_tp=args.p_tp, d_tp=args.d_tp,
-                               mode=args.mode, block_size=args.block_size, verify_kv=args.verify_kv, repeats=args.repeats,
+                               mode=args.mode, block_size=args.block_size, verify_kv=verify_kv, repeats=args.repeats,
                                min_seconds=args.min_seconds, max_gib=args.max_gib, layers=args.layers,
                                p_netns=args.p_netns, d_netns=args.d_netns, p_host=args.p_host,
-                               d_host=args.d_host)
+                               d_host=args.d_host, memory=args.memory)
         plan_sizes(options)  # refuses presets the benchmark cannot fill
     except ValueError as exc:
         print(f"kvlink bench transfer: error: {exc}", file=sys.stderr)
+        return 2
+    if options.memory == "cuda" and (why := cuda_unavailable()) is not None:
+        print(f"kvlink bench transfer: error: {why}", file=sys.stderr)
         return 2
     result = run_bench(options)
     print()
