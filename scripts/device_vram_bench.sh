@@ -6,12 +6,16 @@
 # least nixl-cu13 and msgspec) they are installed into /tmp/site first; kvlink itself runs
 # from src/. Results: $OUT (default /tmp/kvlink-vram-out): one JSON per run, the UCX
 # protocol tables D rank 0 logged. Environment: PY (python, default python3), TOKENS
-# (default 512,4096,32768), RUN_TIMEOUT_S (per bench run, default 150).
+# (default 512,4096,32768), RUN_TIMEOUT_S (per bench run, default 150), STAGES (default
+# "check vram dram refuse"; "smoke" runs a tiny GPU-memory bench first and skips "vram"
+# unless UCX chose cuda_ipc for its READs). UCX_* variables reach the peers unchanged,
+# e.g. UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y (UCX turns cuda_ipc GET off on a GPU without NVLink).
 set -uo pipefail
 PY=${PY:-python3}
 OUT=${OUT:-/tmp/kvlink-vram-out}
 TOKENS=${TOKENS:-512,4096,32768}
 RUN_TIMEOUT_S=${RUN_TIMEOUT_S:-150}
+STAGES=${STAGES:-check vram dram refuse}
 mkdir -p "$OUT"
 export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo} PYTHONUNBUFFERED=1
 
@@ -29,10 +33,7 @@ CUDART=$($PY -c 'import glob, site; print(next(iter(sorted({p.rsplit("/", 1)[0] 
 
 echo "=== machine: $(nproc) CPU cores, $(free -g | awk '/Mem:/ {print $2}') GiB; LD_LIBRARY_PATH+=${CUDART:-none}"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 || echo "no nvidia-smi"
-echo "=== versions and a VRAM READ in one process (UCX_PROTO_INFO=y)"
-# Informative only (one process may use other UCX transports than two): the bench runs anyway.
-UCX_PROTO_INFO=y timeout 90 $PY scripts/device_vram_check.py 2>&1 | grep -v "^\[.*\] *+-\|^\[.*\] *| *Range" \
-    || echo "=== the VRAM check failed (exit ${PIPESTATUS[0]})"
+echo "=== UCX settings: $(env | grep ^UCX_ | tr '\n' ' ')"
 
 bench() {  # NAME ARGS...: one bench run, its JSON, and the read protocols D rank 0 logged
     local name=$1; shift
@@ -52,8 +53,25 @@ bench() {  # NAME ARGS...: one bench run, its JSON, and the read protocols D ran
     return 0
 }
 
-bench vram-off --memory cuda --verify-kv off
-bench dram-off --memory cpu --verify-kv off
-bench dram-sample --memory cpu
-echo "=== the default check with GPU memory is refused:"
-$PY -m kvlink.cli.main bench transfer --memory cuda --verify-kv sample --tokens 32; echo "exit $?"
+SKIP_VRAM=0
+for stage in $STAGES; do
+    case $stage in
+    check)
+        echo "=== versions and a VRAM READ in one process (UCX_PROTO_INFO=y)"
+        # Informative only (one process may use other UCX transports than two).
+        UCX_PROTO_INFO=y timeout 90 $PY scripts/device_vram_check.py 2>&1 \
+            | grep -v "^\[.*\] *+-\|^\[.*\] *| *Range" || echo "=== the VRAM check failed (exit ${PIPESTATUS[0]})" ;;
+    smoke)
+        bench vram-smoke --memory cuda --verify-kv off --preset smollm2-135m --tokens 32 --repeats 1 --min-seconds 0
+        grep -q cuda_ipc "$OUT/vram-smoke-ucx.txt" 2>/dev/null \
+            || { SKIP_VRAM=1; echo "=== UCX did not choose cuda_ipc for READs: no full GPU-memory run"; } ;;
+    vram) [ "$SKIP_VRAM" = 1 ] || bench vram-off --memory cuda --verify-kv off ;;
+    dram)
+        bench dram-off --memory cpu --verify-kv off
+        bench dram-sample --memory cpu ;;
+    refuse)
+        echo "=== the default check with GPU memory is refused:"
+        $PY -m kvlink.cli.main bench transfer --memory cuda --verify-kv sample --tokens 32; echo "exit $?" ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+    esac
+done
