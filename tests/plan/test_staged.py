@@ -12,7 +12,15 @@ from hypothesis import strategies as st
 from kvlink.layout.geometry import Region, WorkerGeometry, packed_base_addrs
 from kvlink.layout.page_order import element_index
 from kvlink.layout.relayout import copy_token_runs, page_views, token_axes
-from kvlink.layout.spec import FullAttention, GroupSpec, Mamba2, ModelSpec, SlidingWindow
+from kvlink.layout.spec import (
+    GDN,
+    FullAttention,
+    GroupSpec,
+    Mamba2,
+    ModelSpec,
+    SlidingWindow,
+    is_ssm,
+)
 from kvlink.plan.compat import IncompatibleLayout
 from kvlink.plan.staged import build_staged_plan, needs_staging, staging_geometry
 
@@ -47,10 +55,19 @@ def cases(draw: st.DrawFn) -> dict:
     heads = draw(st.sampled_from([1, 2, 3, 4]))
     tps = [t for t in (1, 2, 4) if heads % t == 0 or t % heads == 0]
     layers = draw(st.integers(1, 4))
-    mix = draw(st.sampled_from(["full", "full", "full+sliding", "sliding"]))
+    mix = draw(st.sampled_from(["full", "full", "full+sliding", "sliding", "full+mamba2", "full+gdn"]))
     groups: list[GroupSpec] = [FullAttention()] if mix != "sliding" else []
-    if mix != "full":  # vLLM's hybrid KV cache: one group per window, local and global layers apart
+    if "sliding" in mix:  # vLLM's hybrid KV cache: one group per window, local and global layers apart
         groups.append(SlidingWindow(window=draw(st.integers(1, 300))))
+    conv = draw(st.sampled_from(["DS", "SD"]))
+    if mix == "full+mamba2":  # a hybrid: the state page goes whole, into the last staging slot
+        groups.append(Mamba2(num_heads=draw(st.sampled_from([1, 2, 4])), head_dim=2,
+                             n_groups=draw(st.sampled_from([1, 2])), d_state=2,
+                             conv_kernel=draw(st.integers(2, 4)), conv_layout=conv))
+    if mix == "full+gdn":
+        k_heads = draw(st.sampled_from([1, 2, 4]))
+        groups.append(GDN(num_k_heads=k_heads, num_v_heads=2 * k_heads, head_k_dim=2, head_v_dim=3,
+                          conv_kernel=draw(st.integers(2, 4)), conv_layout=conv))
     layer_groups = [draw(st.integers(0, len(groups) - 1)) for _ in range(layers)]
     layer_groups[: len(groups)] = range(len(groups))  # every group holds a layer
     return {
@@ -117,22 +134,34 @@ def run_staged(c: dict) -> None:
                                 strict=True):
             copy_token_runs(_pages(staging, s_reg), c["p_kbs"], _pages(reader, d_reg), c["d_kbs"],
                             c["order"], model.head_dim, req.runs[d_reg.group])
+        for src, dst, nbytes in req.states:  # the state pages, whole (as the connector copies them)
+            reader.data[dst - reader.start: dst - reader.start + nbytes] = \
+                staging.data[src - staging.start: src - staging.start + nbytes]
         outside = ~sim.destination_mask(reader, d_tail)
         assert np.array_equal(reader.data[outside], before[outside]), "bytes outside D's blocks changed"
         region = reader.geometry.attention_regions[0]
         per_token = region.units * region.token_bytes
         layers_of = [layer_groups.count(g) for g in range(G)]
-        assert req.relayout_bytes == sum(int(r[:, 4].sum()) * per_token * n for r, n in zip(req.runs, layers_of, strict=True))
-        if shipped > computed:
+        state_bytes = sum(r.page_len for r in reader.geometry.ssm_regions)
+        hybrid = any(is_ssm(g) for g in groups)
+        assert req.relayout_bytes == state_bytes * (shipped > 0) + sum(
+            int(r[:, 4].sum()) * per_token * n for r, n in zip(req.runs, layers_of, strict=True))
+        assert len(req.states) == len(reader.geometry.ssm_regions) * (shipped > 0)
+        if shipped > computed or (hybrid and shipped > 0):
             tokens = [np.arange(must_start[g], shipped, dtype=np.int64) for g in range(G)]
             got = sim.load(reader, d_tail, tokens, computed)
             want = sim.expected_for(reader, logical, tokens)
             for layer, rows in want.rows.items():
                 np.testing.assert_array_equal(got.rows[layer], rows, err_msg=f"layer {layer}")
+            for key, state in want.ssm.items():
+                np.testing.assert_array_equal(got.ssm[key], state, err_msg=f"ssm {key}")
             for g in range(G):  # the copies cover what D needs, and no more than a chunk either side
+                if is_ssm(groups[g]):
+                    continue
                 copied = int(req.runs[g][:, 4].sum())
-                assert shipped - must_start[g] <= copied < shipped - must_start[g] + 2 * c["d_kbs"]
-            assert len(req.slots) <= -(-(shipped - min(must_start)) // c["p_kbs"]) + 1
+                want_tokens = max(0, shipped - must_start[g])
+                assert want_tokens <= copied < want_tokens + 2 * c["d_kbs"] or copied == want_tokens == 0
+            assert len(req.slots) <= max(1, -(-(shipped - min(must_start)) // c["p_kbs"]) + 1)
         else:
             assert not req.copies and not req.slots
             assert all(not len(s.local_idx) for s in req.specs)
@@ -222,7 +251,8 @@ def test_staging_is_only_for_what_needs_it() -> None:
     assert needs_staging(geo(att, 32, "vllm_cpu_vec"), geo(att, 128, "vllm_cpu_vec"))
     assert not needs_staging(geo(att, 32, "vllm_cpu_vec"), geo(att, 32, "vllm_cpu_vec"))
     assert not needs_staging(geo(att, 32, "token_major"), geo(att, 128, "token_major"))
-    assert not needs_staging(geo(hybrid, 32, "vllm_cpu_vec"), geo(hybrid, 128, "vllm_cpu_vec"))
+    assert needs_staging(geo(hybrid, 32, "vllm_cpu_vec"), geo(hybrid, 128, "vllm_cpu_vec"))
+    assert not needs_staging(geo(hybrid, 32, "vllm_cpu_vec"), geo(hybrid, 32, "vllm_cpu_vec"))
 
 
 def test_staged_plan_refuses_chunks_below_the_granule() -> None:

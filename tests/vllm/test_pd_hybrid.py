@@ -42,11 +42,15 @@ PROMPTS = ["The last keeper of the lighthouse was",
 
 TP_DIRECTIONS = ("2->1", "1->2")
 CONV_DIRECTIONS = ("DS2->SD1", "SD1->DS2", "DS2->SD2", "SD2->DS2")
+BLOCK_DIRECTIONS = ("64->128", "128->64")  # vLLM's default block for this model is 128; 64 is the least it takes
+STAGED = "vllm:kvlink_staged_loads_total"
 
 
 def tagged() -> list[str]:
-    return [f"({mode}) {p}" for mode in ("pull", "push", "layerwise", *TP_DIRECTIONS, *CONV_DIRECTIONS)
-            for p in PROMPTS]
+    return ([f"({mode}) {p}" for mode in ("pull", "push", "layerwise", *TP_DIRECTIONS, *CONV_DIRECTIONS)
+             for p in PROMPTS]
+            + [f"({mode} {direction}) {p}" for mode in ("pull", "push", "layerwise") for direction in BLOCK_DIRECTIONS
+               for p in PROMPTS])
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +106,48 @@ def test_hybrid_layerwise_through_kvlink_proxy_equals_colocated(hybrid_pair: lis
     writes = [w for _, w in got]
     assert max(writes) > 1, f"P never wrote during a forward: {writes} WRITEs per request"
     assert "layerwise push of" in p.log_path.read_text(errors="replace")
+
+
+@pytest.fixture(scope="class")
+def hybrid_64(vllm_servers: VllmServers, hybrid_dir: Path, secret: str,
+              hybrid_pair: list[Service]) -> Iterator[Service]:
+    """A server of 64-token blocks (the pair's are vLLM's default 128), for the class below only."""
+    for (server,) in vllm_servers.serve(vllm_servers.kvlink_spec(
+            hybrid_dir, "hybrid-64", "1", secret, args=HYBRID_ARGS, block_size=64)):
+        yield server
+
+
+class TestBetweenBlockSizes:
+    """P and D of different block sizes: D reads whole P pages of the attention layer into its
+    staging pages and the state page of each Mamba layer into the last staging slot, then copies
+    the tokens into its attention blocks and each state page whole into its state block."""
+
+    @staticmethod
+    def ends(pair: list[Service], small: Service, direction: str) -> tuple[Service, Service]:
+        return (small, pair[1]) if direction == "64->128" else (pair[0], small)
+
+    @pytest.mark.parametrize("mode", ["pull", "push"])
+    @pytest.mark.parametrize("direction", BLOCK_DIRECTIONS)
+    @pytest.mark.parametrize("index", range(len(PROMPTS)))
+    def test_pd_equals_colocated(self, hybrid_pair: list[Service], hybrid_64: Service,
+                                 references: dict[str, list[int]], mode: str, direction: str, index: int) -> None:
+        p, d = self.ends(hybrid_pair, hybrid_64, direction)
+        prompt = f"({mode} {direction}) {PROMPTS[index]}"
+        staged = metric(d.url, STAGED)
+        assert load_through(p, d, served_model(p.url), prompt, mode, groups=4) == references[prompt]
+        assert wait_metric(d.url, STAGED, staged) > staged  # through D's staging pages (a push as a staged pull)
+
+    @pytest.mark.parametrize("direction", BLOCK_DIRECTIONS)
+    def test_layerwise_equals_colocated(self, hybrid_pair: list[Service], hybrid_64: Service,
+                                        references: dict[str, list[int]], direction: str, tmp_path: Path) -> None:
+        """`kvlink proxy --mode layerwise`: P WRITEs whole pages of its attention layer and, once
+        the prompt is through, the Mamba layers' state pages into D's staging slots."""
+        p, d = self.ends(hybrid_pair, hybrid_64, direction)
+        prompts = [f"(layerwise {direction}) {prompt}" for prompt in PROMPTS]
+        staged = metric(d.url, STAGED)
+        got = layerwise_answers(p, d, served_model(p.url), prompts, tmp_path, name=f"router-layerwise-{direction[:2]}")
+        assert [ids for ids, _ in got] == [references[prompt] for prompt in prompts]
+        assert metric(d.url, STAGED) >= staged + len(prompts)
 
 
 @pytest.fixture(scope="module")

@@ -84,9 +84,9 @@ def test_p_lists_may_repeat_the_null_block_only() -> None:
 
 
 def test_groups_sharing_memory_between_block_sizes_read_through_staging() -> None:
-    """Aliased sliding and full groups between block sizes go through staging pages (every
-    layer's P page in one slot, each group copied into its own D blocks); the same aliasing with
-    SSM state pages has no staged path and is refused at handshake."""
+    """Aliased groups between block sizes go through staging pages (every layer's P page in
+    one slot, each group copied into its own D blocks; a hybrid's state page whole), never as
+    token chunks of the transposed pages."""
     model = model_spec("g", GEMMA, 1)
 
     def worker(m: ModelSpec, block: int) -> WorkerGeometry:
@@ -103,7 +103,13 @@ def test_groups_sharing_memory_between_block_sizes_read_through_staging() -> Non
     assert len(req.slots) == 5
     assert [int(r[:, 4].sum()) for r in req.runs] == [320 - 224] * 3 + [320]
     assert [int(r[0, 1]) for r in req.runs] == [224 % 64] * 3 + [0]  # first token in its staging page
+    with pytest.raises(IncompatibleLayout, match="through staging pages only"):
+        build_transfer_plan(d, {0: p})
     hybrid = ModelSpec("h", 1, 64, "float32", (FullAttention(), Mamba2(2, 2, 1, 2, 2)), (0, 1))
-    with pytest.raises(IncompatibleLayout, match="serve P and D with the same block size"):
-        build_transfer_plan(worker(hybrid, 32), {0: worker(hybrid, 64)})
+    d, p = worker(hybrid, 32), worker(hybrid, 64)
+    assert needs_staging(d, p)
+    staging = staging_geometry(d, 64, 8, [(1 << 33) + i * (1 << 20) for i in range(2)])
+    req = build_staged_plan(d, staging, {0: p}).request([[3], [9]], [[1, 2], [7]], 100, 96, [4])
+    assert req.states == ((staging.regions[1].base + 4 * staging.regions[1].page_len,
+                           (1 << 32) + 9 * d.regions[1].page_stride, d.regions[1].page_len),)
     build_transfer_plan(worker(model, 64), {0: worker(model, 64)})

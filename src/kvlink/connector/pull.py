@@ -361,19 +361,21 @@ class PullReader:
         staging slots into our pages (the slots go back), state blocks that arrived in the
         source's SSM conv layout into ours. Seconds taken; None when there was nothing to do."""
         start = time.perf_counter()
-        conv = self._relayout_conv(load)
         if load.staging is None:
-            return time.perf_counter() - start if conv else None
+            return time.perf_counter() - start if self._relayout_conv(load) else None
         pool, staged = load.staging
         load.staging = None
         w = self.worker
         try:
-            if staged.copies:
+            if any(r.size for r in staged.runs):
                 g = self.geometry
                 pool.relayout(self.local_pages(), [r.group for r in g.attention_regions], g.kernel_block_size,
                               g.page_order, g.model.head_dim, staged.runs)
+            for src, dst, nbytes in staged.states:  # a hybrid's state pages, whole, into our state blocks
+                bytes_at(dst, nbytes)[:] = bytes_at(src, nbytes)
         finally:
             pool.give(staged.slots)
+        self._relayout_conv(load)  # a state that came in the source's conv layout, now in our blocks
         elapsed = time.perf_counter() - start
         w.stats.count("relayout_bytes_total", staged.relayout_bytes)
         return elapsed

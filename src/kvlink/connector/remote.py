@@ -145,8 +145,8 @@ def connect_reader(
     conv = conv_transpose(own, local)
     staged, pool = None, None
     if staging_for is not None and needs_staging(local, any_source):
-        pool = staging_for(any_source.kernel_block_size)
-        staged = build_staged_plan(local, pool.geometry, sources)
+        pool = staging_for(any_source.kernel_block_size)  # its SSM pages described in the source's conv layout
+        staged = build_staged_plan(local, planning_view(pool.geometry, any_source.model), sources)
         plan = staged.read
     else:
         plan = build_transfer_plan(local, sources)
@@ -223,9 +223,9 @@ def writer_staging(reader: WorkerGeometry, payload: HandshakePayload, kernel_blo
             f"({kernel_block_size} here, {reader.kernel_block_size} there) but offers no staging "
             f"pages of {kernel_block_size} tokens (it offers {sizes or 'none'})"])
     _, slots, addrs = offered[0]
-    if slots < 1 or len(addrs) != len(reader.attention_regions):
+    if slots < 1 or len(addrs) != len(reader.regions):
         raise IncompatibleLayout([f"reader rank {reader.tp_rank} offers a staging area of {slots} pages "
-                                  f"at {len(addrs)} layers; it has {len(reader.attention_regions)}"])
+                                  f"at {len(addrs)} layers; it has {len(reader.regions)}"])
     return staging_geometry(reader, kernel_block_size, slots, list(addrs))
 
 

@@ -18,7 +18,7 @@ import numpy.typing as npt
 
 from kvlink.layout.geometry import Region, WorkerGeometry
 from kvlink.layout.relayout import RunArray, copy_token_runs
-from kvlink.plan.staged import staging_geometry, staging_page_bytes
+from kvlink.plan.staged import staging_geometry, staging_layer_bytes, staging_page_bytes
 from kvlink.transfer.agent import NixlAgent
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -81,7 +81,8 @@ class LocalPages:
 
 
 class StagingPool:
-    """`slots` staging pages of one P kernel block size, for every attention layer."""
+    """`slots` staging pages of one P kernel block size, for every layer: the attention
+    layers' areas first (one `[layer, slot, unit, elements]` array), then the SSM layers'."""
 
     def __init__(self, local: WorkerGeometry, remote_kernel_block_size: int, capacity_bytes: int,
                  agent: NixlAgent) -> None:
@@ -93,17 +94,24 @@ class StagingPool:
                              f"raise staging_mib")
         self.kernel_block_size = remote_kernel_block_size
         self.slot_bytes = slot_bytes
-        layers = len(local.attention_regions)
-        layer_bytes = self.slots * (slot_bytes // layers)
-        total = layer_bytes * layers
+        sizes = [self.slots * b for b in staging_layer_bytes(local, remote_kernel_block_size)]
+        total = sum(sizes)
         self._map, self.data = populated_bytes(total)
         start = self.base = int(self.data.ctypes.data)
+        order = sorted(range(len(sizes)), key=lambda i: local.regions[i].kind == "ssm")  # attention first
+        offsets = [0] * len(sizes)
+        cursor = 0
+        for i in order:
+            offsets[i] = cursor
+            cursor += sizes[i]
         self.geometry = staging_geometry(local, remote_kernel_block_size, self.slots,
-                                         [start + i * layer_bytes for i in range(layers)])
+                                         [start + offset for offset in offsets])
         agent.register_regions([(start, total)])
         e = local.model.dtype_bytes
-        region = self.geometry.attention_regions[0]
-        self.pages = self.data.view(_UINT[e]).reshape(layers, self.slots, region.units, -1)
+        regions = self.geometry.attention_regions
+        attention_bytes = sum(sizes[i] for i in order if local.regions[i].kind != "ssm")
+        self.pages = self.data[:attention_bytes].view(_UINT[e]).reshape(
+            len(regions), self.slots, regions[0].units, -1)
         self._free: deque[int] = deque(range(self.slots))
         self._held: list[tuple[float, tuple[int, ...]]] = []
 

@@ -308,7 +308,7 @@ class NixlWorker(ConnectorWorker):
         WRITEs whole pages into them): their places, and agent metadata that now covers them.
         A P handshakes with us for a push only after our push request, so after this."""
         assert self.server is not None and self.agent is not None
-        areas = tuple((k, pool.slots, tuple(r.base for r in pool.geometry.attention_regions))
+        areas = tuple((k, pool.slots, tuple(r.base for r in pool.geometry.regions))
                       for k, pool in sorted(self._staging.items()))
         self._payload = msgspec.structs.replace(self._payload, agent_metadata=self.agent.metadata(),
                                                 staging=areas)

@@ -102,22 +102,24 @@ def page_order_mismatches(p_order: str, d_order: str) -> list[str]:
             f"equal intra-page orders"]
 
 
+STAGED_KINDS = ("full", "sliding", "mamba2", "gdn")
+
+
 def block_size_mismatches(p_geometry: WorkerGeometry, d_geometry: WorkerGeometry) -> list[str]:
     """Why P's and D's kernel blocks cannot be paired: between different sizes, a page order
     that is not token-major moves through staging pages (`kvlink.plan.staged`), which hold
-    attention pages only; groups that alias one allocation with SSM state pages (vLLM's hybrid
-    KV cache for attention + Mamba/GDN models) have no staged path."""
+    attention (full, sliding window) and Mamba2/GDN state pages; groups of another kind that
+    alias one allocation have no such path."""
     if (p_geometry.kernel_block_size == d_geometry.kernel_block_size
             or d_geometry.page_order == DEFAULT_PAGE_ORDER
             or not (p_geometry.aliased or d_geometry.aliased)
-            or all(g.kind in ("full", "sliding") for g in d_geometry.model.groups)):
+            or all(g.kind in STAGED_KINDS for g in d_geometry.model.groups)):
         return []
     kinds = sorted({g.kind for g in d_geometry.model.groups})
     return [f"block size: P's kernel blocks hold {p_geometry.kernel_block_size} tokens, D's "
             f"{d_geometry.kernel_block_size}; kvlink moves KV between different block sizes with the "
-            f"{d_geometry.page_order!r} page order through staging pages of attention layers only, and "
-            f"this model's {kinds} groups share one allocation with SSM state pages (vLLM's hybrid KV "
-            f"cache): serve P and D with the same block size"]
+            f"{d_geometry.page_order!r} page order through staging pages of {list(STAGED_KINDS)} groups, and "
+            f"this model's {kinds} groups share one allocation: serve P and D with the same block size"]
 
 
 def _layer_kinds(model: ModelSpec) -> list[str]:

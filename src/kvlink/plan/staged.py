@@ -14,7 +14,9 @@ Several attention groups (a sliding-window model's local and global layers, whic
 hybrid KV cache keeps as groups aliasing one allocation) share the staging slots: slot j
 holds P's page of tokens `[first + j*k, first + (j+1)*k)` for every layer, each layer's
 page read from its own group's P block. A sliding group reads and copies only the chunks
-inside its window; each group copies into its own D blocks.
+inside its window; each group copies into its own D blocks. A hybrid model's SSM state
+(Mamba2, GDN) is not cut by tokens: it is read into the last slot's page of each SSM layer
+and copied whole into D's state block (`StagedPlan.state_copies`).
 """
 
 from __future__ import annotations
@@ -28,33 +30,40 @@ import numpy as np
 from kvlink.layout.geometry import WorkerGeometry, build_worker_geometry
 from kvlink.layout.page_order import DEFAULT_PAGE_ORDER
 from kvlink.layout.relayout import RunArray, run_granule
-from kvlink.layout.spec import FullAttention, SlidingWindow
+from kvlink.layout.spec import GDN, FullAttention, Mamba2, SlidingWindow, is_ssm
 from kvlink.plan.compat import IncompatibleLayout
 from kvlink.plan.descriptors import IntArray
 from kvlink.plan.request import ReadSpec
 from kvlink.plan.transfer_plan import TransferPlan, build_transfer_plan
 
+STAGED_GROUPS = (FullAttention, SlidingWindow, Mamba2, GDN)
+
 
 def needs_staging(local: WorkerGeometry, remote: WorkerGeometry) -> bool:
     """True when reader `local` should read `remote` through staging pages: different kernel
-    block sizes, a page order that is not token-major, attention groups only (full or sliding
-    window)."""
+    block sizes, a page order that is not token-major, attention groups (full or sliding
+    window), optionally with Mamba2 or GDN groups."""
     return (local.kernel_block_size != remote.kernel_block_size
             and local.page_order != DEFAULT_PAGE_ORDER
-            and all(isinstance(g, (FullAttention, SlidingWindow)) for g in local.model.groups))
+            and all(isinstance(g, STAGED_GROUPS) for g in local.model.groups))
+
+
+def staging_layer_bytes(local: WorkerGeometry, remote_kernel_block_size: int) -> list[int]:
+    """Bytes of one staging slot per layer, in layer order: a P-sized page of an attention
+    layer, the (unpadded) state page of an SSM layer."""
+    return [r.page_len if r.kind == "ssm" else r.units * remote_kernel_block_size * r.token_bytes
+            for r in local.regions]
 
 
 def staging_page_bytes(local: WorkerGeometry, remote_kernel_block_size: int) -> int:
-    """Bytes of one staging slot: one P-sized page of every attention layer of this reader."""
-    region = local.attention_regions[0]
-    per_layer = region.units * remote_kernel_block_size * region.token_bytes
-    return per_layer * len(local.attention_regions)
+    """Bytes of one staging slot: one P-sized page of every layer of this reader."""
+    return sum(staging_layer_bytes(local, remote_kernel_block_size))
 
 
 def staging_geometry(local: WorkerGeometry, remote_kernel_block_size: int, slots: int,
                      base_addrs: Sequence[int]) -> WorkerGeometry:
     """The staging area as a worker geometry: the reader's heads and page order, P's kernel
-    block size, `slots` pages per layer at `base_addrs` (one per layer)."""
+    block size, `slots` pages per layer at `base_addrs` (one per layer; SSM pages packed)."""
     return build_worker_geometry(
         local.model, local.tp_size, local.tp_rank, remote_kernel_block_size, remote_kernel_block_size,
         slots, base_addrs, device_id=local.device_id, page_order=local.page_order)
@@ -72,10 +81,12 @@ class StagedRequest:
     slots: tuple[int, ...]
     relayout_bytes: int
     first: int = 0
+    # SSM layers: (staging address, D address, bytes) of the state page copied whole
+    states: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def copies(self) -> bool:
-        return any(r.size for r in self.runs)
+        return any(r.size for r in self.runs) or bool(self.states)
 
 
 @dataclass(frozen=True, eq=False)
@@ -106,11 +117,18 @@ class StagedPlan:
         start = min(self.group_starts(num_tokens_to_ship, local_computed_tokens))
         return start // self.stage_tokens * self.stage_tokens
 
+    @property
+    def has_state(self) -> bool:
+        return any(is_ssm(g) for g in self.local.model.groups)
+
     def slots_needed(self, num_tokens_to_ship: int, local_computed_tokens: int) -> int:
+        """Staging slots of a request; a hybrid's state needs one even when D holds every
+        attention token (it moves whenever a token is shipped)."""
+        state = 1 if self.has_state and num_tokens_to_ship > 0 else 0
         if num_tokens_to_ship <= local_computed_tokens:
-            return 0
+            return state
         first = self.first_token(num_tokens_to_ship, local_computed_tokens)
-        return -(-(num_tokens_to_ship - first) // self.stage_tokens)
+        return max(state, -(-(num_tokens_to_ship - first) // self.stage_tokens))
 
     def request(
         self, local_block_ids: Sequence[Sequence[int] | IntArray],
@@ -147,16 +165,39 @@ class StagedPlan:
         touched: list[IntArray] = []
         moved = 0
         per_layer = {g: 0 for g in range(groups)}
-        for region in local.attention_regions:
-            per_layer[region.group] += region.units * region.token_bytes
+        for region in local.regions:
+            per_layer[region.group] += region.page_len if region.kind == "ssm" else region.units * region.token_bytes
+        states: list[tuple[int, int, int]] = []
         for g, start in enumerate(self.group_starts(num_tokens_to_ship, local_computed_tokens)):
             ids = np.asarray(local_block_ids[g], dtype=np.int64)
+            if is_ssm(local.model.groups[g]):  # the state after the shipped tokens, whole
+                if not ids.size or not 0 <= int(ids[-1]) < local.num_blocks:
+                    raise ValueError(f"SSM group {g} needs a local state block in [0, {local.num_blocks}); "
+                                     f"got {ids[-1:].tolist()}")
+                states.append((g, int(slot_ids[-1]), int(ids[-1])))
+                runs.append(np.zeros((0, 5), dtype=np.int64))
+                touched.append(ids[-1:])
+                moved += per_layer[g]
+                continue
             group_runs = self._runs(g, ids, slot_ids, first, end, local_computed_tokens, start)
             runs.append(group_runs)
             moved += int(group_runs[:, 4].sum()) * per_layer[g]
             touched.append(_touched(local, ids, local_computed_tokens, start, end))
         specs = [ReadSpec(s.src_rank, s.local_idx, s.remote_idx, s.nbytes, tuple(touched)) for s in specs]
-        return StagedRequest(specs, tuple(runs), tuple(int(s) for s in slots), moved, first)
+        return StagedRequest(specs, tuple(runs), tuple(int(s) for s in slots), moved, first,
+                             tuple(self._state_copies(states)))
+
+    def _state_copies(self, states: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+        """(staging address, D address, bytes) of each SSM layer's state page, copied whole
+        from its staging slot into D's state block; `states`: (group, slot, D block)."""
+        blocks = {g: (slot, block) for g, slot, block in states}
+        out = []
+        for staged, own in zip(self.staging.regions, self.local.regions, strict=True):
+            if own.kind != "ssm" or own.group not in blocks:
+                continue
+            slot, block = blocks[own.group]
+            out.append((staged.base + slot * staged.page_stride, own.base + block * own.page_stride, own.page_len))
+        return out
 
     def _end(self, num_tokens: int) -> int:
         c = gcd(self.stage_tokens, self.local.kernel_block_size)
@@ -201,7 +242,7 @@ def build_staged_plan(local: WorkerGeometry, staging: WorkerGeometry,
     remote = next(iter(remotes.values()))
     if not needs_staging(local, remote):
         raise ValueError("staging is for different kernel block sizes of a non token-major page "
-                         "order and attention groups only")
+                         "order and attention groups, with or without Mamba2 or GDN groups")
     if staging.kernel_block_size != remote.kernel_block_size:
         raise ValueError(f"staging pages hold {staging.kernel_block_size} tokens, P's kernel "
                          f"blocks {remote.kernel_block_size}")

@@ -17,7 +17,7 @@ from math import gcd
 import numpy as np
 
 from kvlink.layout.geometry import Region, WorkerGeometry, remote_sub_part_slice
-from kvlink.layout.page_order import min_chunk_tokens
+from kvlink.layout.page_order import DEFAULT_PAGE_ORDER, min_chunk_tokens
 from kvlink.plan.budget import DESCRIPTOR_BYTES, check_plan_bytes, descriptor_count
 from kvlink.plan.compat import IncompatibleLayout, check_compatible
 from kvlink.plan.descriptors import DescArray, IntArray, page_descs
@@ -187,6 +187,14 @@ def build_transfer_plan(
         raise ValueError(f"reader rank {local.tp_rank} reads from ranks {mapping.source_ranks}; "
                          f"geometry missing for {missing}, not a source: {stray}")
     chunk = gcd(local.kernel_block_size, any_remote.kernel_block_size)
+    if (local.kernel_block_size != any_remote.kernel_block_size and local.page_order != DEFAULT_PAGE_ORDER
+            and (local.aliased or any_remote.aliased)):
+        # token chunks of such pages, with groups aliasing one allocation, were seen to address
+        # past P's descriptor list inside vLLM; the connector reads these through staging pages
+        raise IncompatibleLayout([
+            f"kernel block sizes P {any_remote.kernel_block_size} and D {local.kernel_block_size} of the "
+            f"{local.page_order!r} page order with groups sharing one allocation move through staging "
+            f"pages only (kvlink.plan.staged), not as token chunks"])
     if local.kernel_block_size != any_remote.kernel_block_size and chunk % min_chunk_tokens(local.page_order):
         raise IncompatibleLayout([
             f"page order {local.page_order!r} moves whole granules of {min_chunk_tokens(local.page_order)} "
