@@ -9,6 +9,7 @@ import sim
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvlink.layout.conv_state import conv_layouts, conv_transpose, planning_view, with_conv_layouts
 from kvlink.layout.geometry import Region, WorkerGeometry, packed_base_addrs
 from kvlink.layout.page_order import element_index
 from kvlink.layout.relayout import copy_token_runs, page_views, token_axes
@@ -75,7 +76,9 @@ def cases(draw: st.DrawFn) -> dict:
         "p_ppl": draw(st.sampled_from([1, 2])), "d_ppl": draw(st.sampled_from([1, 2])),
         "heads": heads, "head_dim": 32 if amx else draw(st.sampled_from([1, 4, 32])),
         "dtype": "bfloat16" if amx else draw(st.sampled_from(["float32", "bfloat16"])),
-        "groups": tuple(groups), "layer_groups": tuple(layer_groups), "p_tp": draw(st.sampled_from(tps)),
+        "groups": tuple(groups), "layer_groups": tuple(layer_groups),
+        "p_tp": draw(st.sampled_from(tps)),
+        "d_conv": draw(st.sampled_from(["", "", "DS", "SD"])),  # D keeps its conv state in this layout
         "d_tp": draw(st.sampled_from(tps)), "shipped": draw(st.integers(0, 400)),
         "prefix": draw(st.floats(0, 1)), "seed": draw(st.integers(0, 2**16)),
     }
@@ -118,12 +121,17 @@ def run_staged(c: dict) -> None:
         mem = sim.make_worker(model, c["p_tp"], rank, p_bs, c["p_kbs"], p_num, 0, rng, c["order"])
         sim.store(mem, logical, p_ids, p_tokens)
         sources[rank] = mem
+    d_conv = c.get("d_conv") or ""
+    d_model = with_conv_layouts(model, dict.fromkeys(conv_layouts(model), d_conv)) if d_conv else model
     for rank in range(c["d_tp"]):
-        reader = sim.make_worker(model, c["d_tp"], rank, d_bs, c["d_kbs"], d_num, 1, rng, c["order"])
+        own = sim.make_worker(d_model, c["d_tp"], rank, d_bs, c["d_kbs"], d_num, 1, rng, c["order"])
+        # as the connector plans: D's memory (and its staging pool) described in P's conv layout
+        reader = sim.WorkerMemory(planning_view(own.geometry, model), own.start, own.data, own.writes)
         assert needs_staging(reader.geometry, sources[0].geometry)
         before = reader.data.copy()
         slots_total = -(-prompt // c["p_kbs"]) + 3
-        staging = _staging_memory(reader.geometry, slots_total, c["p_kbs"], rng)
+        pool = _staging_memory(own.geometry, slots_total, c["p_kbs"], rng)
+        staging = sim.WorkerMemory(planning_view(pool.geometry, model), pool.start, pool.data, pool.writes)
         plan = build_staged_plan(reader.geometry, staging.geometry,
                                  {r: sources[r].geometry for r in plan_sources(reader, sources)})
         need = plan.slots_needed(shipped, computed)
@@ -137,6 +145,12 @@ def run_staged(c: dict) -> None:
         for src, dst, nbytes in req.states:  # the state pages, whole (as the connector copies them)
             reader.data[dst - reader.start: dst - reader.start + nbytes] = \
                 staging.data[src - staging.start: src - staging.start + nbytes]
+        transpose = conv_transpose(own.geometry, reader.geometry)
+        assert (transpose is not None) == (d_model != model)
+        if transpose is not None:  # then into D's own conv layout, in place
+            blocks = {g: [b for s in req.specs for b in s.local_blocks[g].tolist()] for g in transpose.groups}
+            transpose.apply(blocks, lambda a, n, m=own: m.data[a - m.start: a - m.start + n])
+        reader = own
         outside = ~sim.destination_mask(reader, d_tail)
         assert np.array_equal(reader.data[outside], before[outside]), "bytes outside D's blocks changed"
         region = reader.geometry.attention_regions[0]
@@ -150,7 +164,7 @@ def run_staged(c: dict) -> None:
         if shipped > computed or (hybrid and shipped > 0):
             tokens = [np.arange(must_start[g], shipped, dtype=np.int64) for g in range(G)]
             got = sim.load(reader, d_tail, tokens, computed)
-            want = sim.expected_for(reader, logical, tokens)
+            want = sim.expected_for(reader, sim.in_conv_layouts(logical, model, d_model), tokens)
             for layer, rows in want.rows.items():
                 np.testing.assert_array_equal(got.rows[layer], rows, err_msg=f"layer {layer}")
             for key, state in want.ssm.items():
