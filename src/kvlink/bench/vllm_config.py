@@ -29,8 +29,8 @@ class Family:
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("dense", "smollm2_hf_dir", "float32", (), SAME_BLOCKS, MIXED_BLOCKS, "SmolLM2-135M fp32"),
-    # Interleaved sliding window, hybrid allocator on: kvlink refuses P block != D block there.
-    Family("swa", "tiny_gemma3_dir", "float32", (), SAME_BLOCKS, (),
+    # Interleaved sliding window, hybrid allocator on: between block sizes through D's staging pages.
+    Family("swa", "tiny_gemma3_dir", "float32", (), SAME_BLOCKS, MIXED_BLOCKS,
            "tiny Gemma-3-like: 3 sliding-window layers (window 64) + 1 global, fp32"),
     # CPU_MLA takes block 16 only; pinned so that a machine with AMX runs the same backend.
     Family("mla", "tiny_deepseek_mla_dir", "bfloat16", ("--attention-backend", "CPU_MLA"), ((16, 16),), (),
@@ -41,7 +41,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            ("--attention-backend", "AMX_MLA", "--no-enable-prefix-caching"), ((32, 32),), ((32, 128), (128, 32)),
            "tiny DeepSeek-V2-like MLA, bf16, AMX_MLA (needs a CPU with AMX tiles)", needs_amx=True),
     # vLLM 0.32's CPU build crashes on hybrid prompts past one block with prefix caching on.
-    Family("hybrid", "tiny_granite_hybrid_dir", "float32", ("--no-enable-prefix-caching",), SAME_BLOCKS, (),
+    # Its least block is 64 (vLLM raises 32 to fit the Mamba state page).
+    Family("hybrid", "tiny_granite_hybrid_dir", "float32", ("--no-enable-prefix-caching",), SAME_BLOCKS,
+           ((64, 128), (128, 64)),
            "tiny GraniteMoeHybrid: 3 Mamba2 layers + 1 attention, fp32, vLLM's default SD conv state"),
     # vLLM's CPU GDN kernel runs bf16 only, and sizes the attention block itself (640 here).
     Family("gdn", "tiny_qwen3_next_dir", "bfloat16", ("--no-enable-prefix-caching",), SAME_BLOCKS, (),
