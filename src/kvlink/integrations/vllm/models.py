@@ -32,6 +32,7 @@ TINY_MISTRAL_DIR = "tiny-mistral-swa-f32"
 TINY_SLIDING_WINDOW = 64
 TINY_DEEPSEEK_MLA_DIR = "tiny-deepseek-mla-bf16"
 TINY_QWEN3_NEXT_DIR = "tiny-qwen3-next-gdn-bf16"
+TINY_QWEN3_NEXT_TP_DIR = "tiny-qwen3-next-gdn-tp-bf16"
 SEED = 1234
 _DONE = ".kvlink-complete"
 
@@ -193,20 +194,21 @@ def _build_tiny_granite_hybrid(out: Path) -> None:
     _save_random(out, config, "GraniteMoeHybridForCausalLM")
 
 
-def _build_tiny_qwen3_next(out: Path) -> None:
+def _build_tiny_qwen3_next(out: Path, heads: int = 1) -> None:
+    """`heads` key heads of GDN and KV heads of attention (2: both split over TP 2)."""
     transformers = _offline()
     config = transformers.Qwen3NextConfig(
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=4,
         full_attention_interval=4,  # 3 GDN layers, then 1 full-attention layer
-        num_attention_heads=2,
-        num_key_value_heads=1,
+        num_attention_heads=2 * heads,
+        num_key_value_heads=heads,
         head_dim=64,
         partial_rotary_factor=0.25,
         # vLLM's CPU GDN kernel takes head dims of 64 or 128 only ("Unexpected head dim size, 32").
-        linear_num_key_heads=1,
-        linear_num_value_heads=2,
+        linear_num_key_heads=heads,
+        linear_num_value_heads=2 * heads,
         linear_key_head_dim=128,
         linear_value_head_dim=128,
         linear_conv_kernel_dim=4,
@@ -316,6 +318,12 @@ def tiny_qwen3_next_dir(cache_root: Path | None = None) -> Path:
     return _cached(TINY_QWEN3_NEXT_DIR, cache_root, _build_tiny_qwen3_next)
 
 
+def tiny_qwen3_next_tp_dir(cache_root: Path | None = None) -> Path:
+    """The same GDN hybrid with 2 GDN key heads, 4 value heads and 2 attention KV heads, so
+    that TP 2 splits the GDN conv and recurrent state and the attention heads."""
+    return _cached(TINY_QWEN3_NEXT_TP_DIR, cache_root, lambda out: _build_tiny_qwen3_next(out, heads=2))
+
+
 def tiny_gemma3_dir(cache_root: Path | None = None) -> Path:
     """Seeded-random Gemma-3-like text model: 3 sliding-window layers (window 64) then 1 global
     layer, 1 KV head of size 64, weights x2 so greedy text follows the prompt."""
@@ -343,4 +351,5 @@ BUILDERS: dict[str, Callable[[Path | None], Path]] = {
     "tiny-mistral-swa": tiny_mistral_dir,
     "tiny-deepseek-mla": tiny_deepseek_mla_dir,
     "tiny-qwen3-next-gdn": tiny_qwen3_next_dir,
+    "tiny-qwen3-next-gdn-tp": tiny_qwen3_next_tp_dir,
 }
