@@ -225,3 +225,49 @@ def test_a_checking_d_counts_and_names_loads_from_a_p_that_keeps_no_digests(
         else:
             assert not counters.get("kv_unchecked_loads_total")
             assert counters["kv_verified_units_total"] > 0 and not warnings
+
+
+def test_one_d_checks_loads_from_ps_whose_digest_tables_differ_in_rows() -> None:
+    """A D reading from two P engines of one model whose KV pools hold different numbers of
+    blocks (32 and 48): their digest tables have rows of one shape, so D lands both in one
+    slot pool, but each P's slices are addressed in that P's own table (seen inside vLLM: P of
+    64-token blocks after one of 128, D's READ paired slices of different groups)."""
+    model = TINY_HYBRID
+    n = 40
+    rng = np.random.default_rng(5)
+    logical = sim.make_logical(model, n, rng)
+    prompt = list(range(200, 200 + n))
+    d_mem = real_worker(model, 1, 0, 16, 16, 32, seed=2)
+    d = NixlWorker(ConnectorConfig("D", side_channel_port=0, verify_kv="full"), model, 1, 0, 16, 16, 32)
+    ps: list[NixlWorker] = []
+    try:
+        d.register_kv_caches(*region_sizes(d_mem))
+        for k, blocks in enumerate((32, 48)):
+            p_mem = real_worker(model, 1, 0, 16, 16, blocks, seed=10 + k)
+            p = NixlWorker(ConnectorConfig(f"P{k}", side_channel_port=0), model, 1, 0, 16, 16, blocks)
+            ps.append(p)
+            p.register_kv_caches(*region_sizes(p_mem))
+            p_ids = [np.array([5, blocks - 9, 2], dtype=np.int64), np.array([7], dtype=np.int64)]
+            sim.store(p_mem, logical, p_ids, [np.arange(n - 1), np.arange(0)])
+            entry = {"request_id": f"p{k}", "block_ids": [x.tolist() for x in p_ids], "token_ids": prompt[:-1],
+                     "num_tokens": n - 1}
+            p.seal_now([entry])
+            p.start_load_kv(StepMetadata(saves=[dict(entry)]))
+            checked = d.stats.counters.get("kv_verified_units_total", 0)
+            d.start_load_kv(StepMetadata(loads=[{
+                "request_id": f"d{k}", "remote_request_id": f"p{k}", "remote_engine_id": f"P{k}",
+                "remote_host": "127.0.0.1", "remote_port": p.side_channel_port, "remote_tp_size": 1,
+                "remote_block_ids": entry["block_ids"], "transfer_mode": "pull",
+                "local_block_ids": [[1, 3, 30], [4 + k]], "local_computed_tokens": 0,
+                "num_tokens": n - 1, "token_ids": prompt[:-1]}]))
+            outs = poll_until([d, p], lambda o, k=k: any(f"d{k}" in x.finished_recving for x in o))
+            assert not any(x.failed_recving for x in outs), [x.failed_recving for x in outs]
+            assert d.stats.counters["kv_verified_units_total"] > checked
+            got = sim.load(d_mem, [np.array([1, 3, 30]), np.array([4 + k])], [np.arange(n - 1), np.arange(0)], 0)
+            want = sim.expected_for(d_mem, logical, [np.arange(n - 1), np.arange(0)])
+            for layer, rows in want.rows.items():
+                assert np.array_equal(got.rows[layer], rows)
+    finally:
+        d.shutdown()
+        for p in ps:
+            p.shutdown()

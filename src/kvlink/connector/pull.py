@@ -145,7 +145,8 @@ class PullReader:
         layout = pool.layout
         row = layout.row_entries * ENTRY_BYTES
         lg, slot = np.divmod(local_ids - handles.digest_local_base, pool.slots)
-        rg, block = np.divmod(remote_ids - handles.digest_remote_base, layout.num_blocks)
+        table = engine.digest_geometries[src_rank].layout  # the source's rows (the pool's may be another's)
+        rg, block = np.divmod(remote_ids - handles.digest_remote_base, table.num_blocks)
         offsets = np.asarray(layout.group_offsets, dtype=np.int64) * ENTRY_BYTES
         sizes = np.asarray([layout.slice_bytes(g) for g in range(len(layout.group_units))], dtype=np.int64)
         local, remote = slot * row + offsets[lg], block * row + offsets[rg]

@@ -109,7 +109,9 @@ class Verifier:
                 slots = engine.digest_slots[src_rank]
                 groups = src.spec.slice_group
                 local = handles.digest_local_base + groups * slots.slots + np.asarray(src.slots, dtype=np.int64)
-                remote = handles.digest_remote_base + groups * slots.layout.num_blocks + src.spec.slice_block
+                # the source's own table: a pool serves every source of one row shape, whatever its rows
+                table = engine.digest_geometries[src_rank].layout
+                remote = handles.digest_remote_base + groups * table.num_blocks + src.spec.slice_block
                 return local.astype(np.int64), remote.astype(np.int64)
         empty = np.zeros(0, dtype=np.int64)
         return empty, empty
