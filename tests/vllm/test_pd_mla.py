@@ -9,10 +9,11 @@ Every server here runs `CPU_MLA` (`--attention-backend CPU_MLA`), on machines wi
 that is the backend these runs were made on; AMX_MLA's pages are checked against its own
 cache writer below, and its P/D runs (block pairs, D prefix hits) are in test_pd_mla_amx.py.
 vLLM's CPU MLA decode and prefill answer differently for the same position, so references
-are taken on D's path (see `references`). On a CPU with AMX tiles even that is no exact
-reference (D's answers differ from it on some prompts with D's bytes equal to P's), so there
-the answers are checked against each other: the same P/D prompt pulled and pushed (one path,
-prefix caching being off) must answer alike, with every load checked in full (`verify_kv`). Servers: one colocated reference (stopped before
+are taken on D's path (see `references`). On some CPUs even that is no exact reference (D's
+answers differ from it at a late token on some prompts with D's bytes equal to P's), so the
+exact check is between answers: the same P/D prompt pulled and pushed (one path, prefix
+caching being off) must answer alike, with every load checked in full (`verify_kv`), and
+follow colocated vLLM on D's path for its first tokens. Servers: one colocated reference (stopped before
 the others start), then two KvlinkConnector servers of block 16 and one TP 2 server for P
 TP 2 → D TP 1 and TP 1 → TP 2.
 """
@@ -40,7 +41,6 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.slow
 
 torch = pytest.importorskip("torch")
-AMX = bool(torch.cpu._is_amx_tile_supported())
 BACKEND = "CPU_MLA"
 BACKEND_ARGS = ["--attention-backend", BACKEND]
 # CPU_MLA takes block 16 only (vLLM overrides any other size): no pair of block sizes to
@@ -188,13 +188,22 @@ def test_pull_and_push_answer_alike_and_pull_reads_whole_blocks(servers: list[Se
     assert nbytes == -(-(tokens - 1) // p_block) * p_block * BYTES_PER_TOKEN
 
 
-@pytest.mark.skipif(AMX, reason="on a CPU with AMX tiles vLLM's CPU_MLA answers on D's path differ from "
-                    "colocated vLLM's with D's bytes equal to P's (verify_kv full): no exact reference "
-                    "there (docs/vllm.md, MLA models)")
+# Colocated vLLM on D's path is an exact reference on some CPUs only: the ~110-token prompt
+# answered all 16 tokens alike on an AMD EPYC on 2026-12-02, but differed at the 16th on an
+# Intel Xeon with AMX (2026-12-03) and on another AMD EPYC (2026-12-04), pulled and pushed
+# alike with D's bytes checked in full. So the exact check is the pull/push test above; here
+# D's answer must follow colocated vLLM's for its first EARLY tokens (a wrong latent changes
+# the text from the first token on), and the full comparison is reported.
+EARLY = 8
+
+
 @pytest.mark.parametrize("mode", ["pull", "push"])
 @pytest.mark.parametrize("index", range(len(PROMPTS)))
-def test_equals_colocated_on_ds_path(answers: dict, references: dict[str, Reference], mode: str, index: int) -> None:
-    assert answers[(mode, index)][0] == references[tagged("pd", "same", PROMPTS[index])][1]
+def test_follows_colocated_on_ds_path(answers: dict, references: dict[str, Reference], mode: str, index: int) -> None:
+    got, want = answers[(mode, index)][0], references[tagged("pd", "same", PROMPTS[index])][1]
+    same = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), len(want))
+    print(f"{mode} prompt {index}: {same} of {len(want)} tokens equal to colocated vLLM on D's path")
+    assert same >= EARLY, (same, got, want)
 
 
 # No D prefix hit here: vLLM turns prefix caching off for MLA on CPU_MLA (platforms/cpu.py:
