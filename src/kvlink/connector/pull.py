@@ -370,8 +370,8 @@ class PullReader:
         try:
             if any(r.size for r in staged.runs):
                 g = self.geometry
-                pool.relayout(self.local_pages(), [r.group for r in g.attention_regions], g.kernel_block_size,
-                              g.page_order, g.model.head_dim, staged.runs)
+                pool.relayout(self.local_pages(), g.kernel_block_size, g.page_order, g.model.head_dim,
+                              staged.runs)
             for src, dst, nbytes in staged.states:  # a hybrid's state pages, whole, into our state blocks
                 bytes_at(dst, nbytes)[:] = bytes_at(src, nbytes)
         finally:

@@ -76,6 +76,7 @@ class LocalPages:
     def __init__(self, geometry: WorkerGeometry) -> None:
         e = geometry.model.dtype_bytes
         regions = geometry.attention_regions
+        self.groups = [r.group for r in regions]  # each attention layer's group
         self.stack = layer_stack(regions, e)
         self.layers = [] if self.stack is not None else [pages_at(r, e) for r in regions]
 
@@ -145,15 +146,15 @@ class StagingPool:
                 keep.append((until, slots))
         self._held = keep
 
-    def relayout(self, local: LocalPages, groups: Sequence[int], local_kernel_block_size: int, order: str,
-                 head_dim: int, runs: Sequence[RunArray]) -> None:
+    def relayout(self, local: LocalPages, local_kernel_block_size: int, order: str, head_dim: int,
+                 runs: Sequence[RunArray]) -> None:
         """Copy a finished load's tokens from its staging slots into the reader's pages:
-        `runs[g]` for every attention layer of group g (`groups`: each layer's group)."""
+        `runs[g]` for every attention layer of group g."""
         if local.stack is not None and len(runs) == 1:
             copy_token_runs(self.pages, self.kernel_block_size, local.stack, local_kernel_block_size,
                             order, head_dim, runs[0])
             return
-        for layer, group in enumerate(groups):
+        for layer, group in enumerate(local.groups):
             if not runs[group].size:
                 continue
             pages = local.stack[layer] if local.stack is not None else local.layers[layer]

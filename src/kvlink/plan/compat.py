@@ -7,7 +7,6 @@ from typing import Any
 
 from kvlink.layout.conv_state import conv_layouts, with_conv_layouts
 from kvlink.layout.geometry import WorkerGeometry
-from kvlink.layout.page_order import DEFAULT_PAGE_ORDER
 from kvlink.layout.spec import ModelSpec
 from kvlink.plan.tp_mapping import model_parts
 
@@ -102,26 +101,6 @@ def page_order_mismatches(p_order: str, d_order: str) -> list[str]:
             f"equal intra-page orders"]
 
 
-STAGED_KINDS = ("full", "sliding", "mamba2", "gdn")
-
-
-def block_size_mismatches(p_geometry: WorkerGeometry, d_geometry: WorkerGeometry) -> list[str]:
-    """Why P's and D's kernel blocks cannot be paired: between different sizes, a page order
-    that is not token-major moves through staging pages (`kvlink.plan.staged`), which hold
-    attention (full, sliding window) and Mamba2/GDN state pages; groups of another kind that
-    alias one allocation have no such path."""
-    if (p_geometry.kernel_block_size == d_geometry.kernel_block_size
-            or d_geometry.page_order == DEFAULT_PAGE_ORDER
-            or not (p_geometry.aliased or d_geometry.aliased)
-            or all(g.kind in STAGED_KINDS for g in d_geometry.model.groups)):
-        return []
-    kinds = sorted({g.kind for g in d_geometry.model.groups})
-    return [f"block size: P's kernel blocks hold {p_geometry.kernel_block_size} tokens, D's "
-            f"{d_geometry.kernel_block_size}; kvlink moves KV between different block sizes with the "
-            f"{d_geometry.page_order!r} page order through staging pages of {list(STAGED_KINDS)} groups, and "
-            f"this model's {kinds} groups share one allocation: serve P and D with the same block size"]
-
-
 def _layer_kinds(model: ModelSpec) -> list[str]:
     return [model.groups[g].kind for g in model.layer_groups]
 
@@ -154,6 +133,5 @@ def check_compatible(
     p_geometry, d_geometry = _as_geometry("P", p_side), _as_geometry("D", d_side)
     problems = model_mismatches(p_geometry.model, d_geometry.model)
     problems += page_order_mismatches(p_geometry.page_order, d_geometry.page_order)
-    problems += block_size_mismatches(p_geometry, d_geometry)
     if problems:
         raise IncompatibleLayout(problems)

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from math import gcd
 
 import numpy as np
 
-from kvlink.layout.geometry import WorkerGeometry, build_worker_geometry
+from kvlink.layout.geometry import Region, WorkerGeometry, build_worker_geometry
 from kvlink.layout.page_order import DEFAULT_PAGE_ORDER
 from kvlink.layout.relayout import RunArray, run_granule
 from kvlink.layout.spec import GDN, FullAttention, Mamba2, SlidingWindow, is_ssm
@@ -99,6 +100,21 @@ class StagedPlan:
     def stage_tokens(self) -> int:
         return self.staging.kernel_block_size
 
+    @cached_property
+    def group_bytes(self) -> tuple[int, ...]:
+        """Per group, over its layers of this reader: the bytes a token takes in an attention
+        group, the state page in an SSM group (what a copy of one moves)."""
+        out = [0] * len(self.local.model.groups)
+        for r in self.local.regions:
+            out[r.group] += r.page_len if r.kind == "ssm" else r.units * r.token_bytes
+        return tuple(out)
+
+    @cached_property
+    def state_pages(self) -> tuple[tuple[int, Region, Region], ...]:
+        """(group, staging region, reader region) of each SSM layer."""
+        return tuple((own.group, staged, own) for staged, own in zip(self.staging.regions, self.local.regions,
+                                                                     strict=True) if own.kind == "ssm")
+
     def group_starts(self, num_tokens_to_ship: int, local_computed_tokens: int) -> list[int]:
         """First token each group copies into D's pages: D's prefix hit, and for a sliding
         group no earlier than its window (on a chunk both block sizes share, as a direct
@@ -139,7 +155,7 @@ class StagedPlan:
 
         Block lists as for `TransferPlan.request_ids`: D's from `local_computed_tokens` on,
         P's from token 0, one list per group."""
-        local, k = self.local, self.stage_tokens
+        local = self.local
         groups = len(local.model.groups)
         if local_computed_tokens < 0 or local_computed_tokens % local.block_size:
             raise ValueError(f"local_computed_tokens {local_computed_tokens} must be a non-negative "
@@ -153,51 +169,34 @@ class StagedPlan:
         slot_ids = np.asarray(slots, dtype=np.int64)
         if slot_ids.size and (int(slot_ids.min()) < 0 or int(slot_ids.max()) >= self.staging.num_blocks):
             raise ValueError(f"staging slots must lie in [0, {self.staging.num_blocks})")
-        empty = tuple(np.zeros((0, 5), dtype=np.int64) for _ in range(groups))
-        if not need:
-            first = local_computed_tokens // k * k
-            specs = self.read.request_ids([slot_ids] * groups, remote_block_ids, num_tokens_to_ship, first)
-            return StagedRequest(specs, empty, (), 0, first)
         first = self.first_token(num_tokens_to_ship, local_computed_tokens)
         specs = self.read.request_ids([slot_ids] * groups, remote_block_ids, num_tokens_to_ship, first)
+        if not need:
+            return StagedRequest(specs, tuple(np.zeros((0, 5), dtype=np.int64) for _ in range(groups)), (), 0, first)
         end = self._end(num_tokens_to_ship)
         runs: list[RunArray] = []
         touched: list[IntArray] = []
         moved = 0
-        per_layer = {g: 0 for g in range(groups)}
-        for region in local.regions:
-            per_layer[region.group] += region.page_len if region.kind == "ssm" else region.units * region.token_bytes
-        states: list[tuple[int, int, int]] = []
+        states: dict[int, tuple[int, int]] = {}
         for g, start in enumerate(self.group_starts(num_tokens_to_ship, local_computed_tokens)):
             ids = np.asarray(local_block_ids[g], dtype=np.int64)
             if is_ssm(local.model.groups[g]):  # the state after the shipped tokens, whole
                 if not ids.size or not 0 <= int(ids[-1]) < local.num_blocks:
                     raise ValueError(f"SSM group {g} needs a local state block in [0, {local.num_blocks}); "
                                      f"got {ids[-1:].tolist()}")
-                states.append((g, int(slot_ids[-1]), int(ids[-1])))
+                states[g] = (int(slot_ids[-1]), int(ids[-1]))
                 runs.append(np.zeros((0, 5), dtype=np.int64))
                 touched.append(ids[-1:])
-                moved += per_layer[g]
+                moved += self.group_bytes[g]
                 continue
             group_runs = self._runs(g, ids, slot_ids, first, end, local_computed_tokens, start)
             runs.append(group_runs)
-            moved += int(group_runs[:, 4].sum()) * per_layer[g]
+            moved += int(group_runs[:, 4].sum()) * self.group_bytes[g]
             touched.append(_touched(local, ids, local_computed_tokens, start, end))
         specs = [ReadSpec(s.src_rank, s.local_idx, s.remote_idx, s.nbytes, tuple(touched)) for s in specs]
-        return StagedRequest(specs, tuple(runs), tuple(int(s) for s in slots), moved, first,
-                             tuple(self._state_copies(states)))
-
-    def _state_copies(self, states: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
-        """(staging address, D address, bytes) of each SSM layer's state page, copied whole
-        from its staging slot into D's state block; `states`: (group, slot, D block)."""
-        blocks = {g: (slot, block) for g, slot, block in states}
-        out = []
-        for staged, own in zip(self.staging.regions, self.local.regions, strict=True):
-            if own.kind != "ssm" or own.group not in blocks:
-                continue
-            slot, block = blocks[own.group]
-            out.append((staged.base + slot * staged.page_stride, own.base + block * own.page_stride, own.page_len))
-        return out
+        copies = tuple((staged.base + states[g][0] * staged.page_stride, own.base + states[g][1] * own.page_stride,
+                        own.page_len) for g, staged, own in self.state_pages if g in states)
+        return StagedRequest(specs, tuple(runs), tuple(int(s) for s in slots), moved, first, copies)
 
     def _end(self, num_tokens: int) -> int:
         c = gcd(self.stage_tokens, self.local.kernel_block_size)
