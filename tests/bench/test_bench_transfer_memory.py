@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvlink.bench.transfer import BenchOptions, cuda_unavailable, memcpy_label
-from kvlink.bench.transfer_node import KvBuffer, use_vram_agents
+from kvlink.bench.transfer_node import KvBuffer
 from kvlink.transfer import agent as agent_module
 
 no_cuda = pytest.mark.skipif(cuda_unavailable() is None, reason="this machine has a CUDA device")
@@ -57,11 +57,13 @@ def test_cpu_buffer_is_filled_in_place_and_read_back() -> None:
     assert memcpy_label("cpu") == "numpy memcpy" and memcpy_label("cuda") == "torch cuda copy"
 
 
-def test_vram_agents_reach_the_connector_worker(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The worker builds its agent itself; in a GPU benchmark process it must be a VRAM one."""
+def test_the_connector_worker_registers_its_kv_in_the_memory_kind_it_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`NixlWorker(mem_type="VRAM")` builds its agent of that kind and registers the KV caches
+    with it (the bench's GPU peers pass it); the NIXL calls here are recorded, not made."""
     import kvlink.connector.worker as worker_module
+    from kvlink.connector.config import ConnectorConfig
+    from kvlink.layout.presets import SMOLLM2_135M
 
-    monkeypatch.setattr(worker_module, "NixlAgent", worker_module.NixlAgent)  # restored afterwards
     calls: list[str] = []
 
     class Raw:
@@ -69,8 +71,21 @@ def test_vram_agents_reach_the_connector_worker(monkeypatch: pytest.MonkeyPatch)
             calls.append(mem_type)
             return object()
 
+        def get_agent_metadata(self) -> bytes:
+            return b"meta"
+
     monkeypatch.setattr(agent_module, "create_raw_agent", lambda name, config: Raw())
-    use_vram_agents()
-    agent = worker_module.NixlAgent("w")
-    agent.register_regions([(0x1000, 4096)])
-    assert agent.mem_type == "VRAM" and calls == ["VRAM"]
+    model = SMOLLM2_135M
+    worker = worker_module.NixlWorker(ConnectorConfig("G", side_channel_port=0, verify_kv="off"), model,
+                                      1, 0, 16, 16, 4, mem_type="VRAM")
+    sizes = [4 * 16 * model.num_kv_heads * 2 * model.head_dim * model.dtype_bytes] * model.num_layers
+    bases = [0x10000000 + i * 0x100000 for i in range(model.num_layers)]
+    try:
+        worker.register_kv_caches(bases, sizes)
+        assert worker.agent is not None and worker.agent.mem_type == "VRAM"
+        assert calls and set(calls) == {"VRAM"}
+    finally:
+        if worker.server is not None:
+            worker.server.close()
+    with pytest.raises(ValueError, match="verify_kv 'off'"):  # digests are hashed through host pointers
+        worker_module.NixlWorker(ConnectorConfig("G", side_channel_port=0), model, 1, 0, 16, 16, 4, mem_type="VRAM")

@@ -17,9 +17,9 @@ Commands on top of `transfer_peer.PeerServer`:
   on top of NIXL for the very same descriptors.
 * `digest {pages}`: blake2b of (region, page) pages, to check the bytes that moved.
 
-With `memory: "cuda"` in the config the KV buffer is a torch CUDA tensor on device 0 and
-every agent of the process (the connector's and the bare one) registers and prepares it as
-NIXL VRAM; filling and digests go through host copies, outside any timed part.
+With `memory: "cuda"` in the config the KV buffer is a torch CUDA tensor on device 0, which
+the connector's worker (`mem_type="VRAM"`, see `transfer_peer`) and the bare agent register
+and prepare as NIXL VRAM; filling and digests go through host copies, outside any timed part.
 """
 
 from __future__ import annotations
@@ -119,33 +119,12 @@ class KvBuffer:
         return bytes(piece.cpu().numpy().tobytes() if self.memory == "cuda" else piece.tobytes())
 
 
-def use_vram_agents() -> None:
-    """Make the connector worker of this process build its agent with the VRAM kind.
-
-    `NixlWorker.register_kv_caches` builds its `NixlAgent` itself with the default kind
-    (DRAM); in a benchmark process whose KV lives on the GPU, the name it builds from is
-    pointed at a VRAM subclass. Only for `verify_kv="off"`: with digests on, the connector
-    registers host-memory tables through the same agent.
-    """
-    import kvlink.connector.worker as worker_module
-
-    class VramAgent(NixlAgent):
-        def __init__(self, name: str, config: Any = None, *, mem_type: MemType = "VRAM") -> None:
-            super().__init__(name, config, mem_type=mem_type)
-
-    setattr(worker_module, "NixlAgent", VramAgent)  # noqa: B010
-
-
 class BenchPeer(PeerServer):
     def __init__(self, cfg: dict[str, Any], out: IO[str]) -> None:
         super().__init__(cfg, out)
         memory = str(cfg.get("memory", "cpu"))
         if memory not in ("cpu", "cuda"):
             raise ValueError(f"memory must be cpu or cuda, got {memory!r}")
-        if memory == "cuda":
-            if self.config.verify_kv != "off":
-                raise ValueError("memory cuda needs verify_kv off (the connector's digests read host memory)")
-            use_vram_agents()
         probe = packed_base_addrs(self.model, self.tp_size, self.block_size, self.kernel_block_size,
                                   self.num_blocks, 0, align=ALIGN)
         geo = build_worker_geometry(self.model, self.tp_size, self.tp_rank, self.block_size,

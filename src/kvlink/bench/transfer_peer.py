@@ -88,8 +88,10 @@ class PeerServer:
         self.kernel_block_size = int(cfg.get("kernel_block_size", self.block_size))
         self.num_blocks = int(cfg.get("num_blocks", 64))
         self.config = connector_config(cfg)
+        # `memory: "cuda"`: the KV are GPU tensors, registered as NIXL VRAM (see transfer_node)
         self.worker = NixlWorker(self.config, self.model, self.tp_size, self.tp_rank, self.block_size,
-                                 self.kernel_block_size, self.num_blocks)
+                                 self.kernel_block_size, self.num_blocks,
+                                 mem_type="VRAM" if cfg.get("memory") == "cuda" else "DRAM")
         self.commands: dict[str, Handler] = {
             "ping": lambda a: {"pid": os.getpid()},
             "step": self.cmd_step,

@@ -42,7 +42,7 @@ from kvlink.connector.verifier import Verifier
 from kvlink.layout.geometry import WorkerGeometry, build_worker_geometry, check_worker_sizes
 from kvlink.layout.limits import MAX_PORT
 from kvlink.layout.spec import ModelSpec
-from kvlink.transfer.agent import NixlAgent
+from kvlink.transfer.agent import MemType, NixlAgent, check_mem_type
 from kvlink.transfer.agent_config import AgentConfig
 from kvlink.transfer.framing import resolve_secret
 from kvlink.transfer.inflight import InflightTracker
@@ -60,8 +60,14 @@ class NixlWorker(ConnectorWorker):
         block_size: int, kernel_block_size: int, num_blocks: int,
         agent_config: AgentConfig | None = None, clock: Callable[[], float] = time.monotonic,
         page_order: str = "token_major", ssm_page_stride: int | None = None, aliased: bool = False,
+        mem_type: MemType = "DRAM",
     ) -> None:
         check_worker_sizes(tp_size, tp_rank, block_size, kernel_block_size, num_blocks)
+        if check_mem_type(mem_type) != "DRAM" and (config.verify_kv != "off" or page_order != "token_major"):
+            # digest tables and staging pages are host memory, hashed and re-laid out through
+            # host pointers, and one NIXL list holds one memory kind
+            raise ValueError(f"KV in {mem_type} memory needs verify_kv 'off' (got {config.verify_kv!r}) and "
+                             f"the token_major page order (got {page_order!r})")
         if config.side_channel_port and config.side_channel_port + tp_rank > MAX_PORT:
             raise ValueError(f"side_channel_port {config.side_channel_port} + tp_rank {tp_rank} is past "
                              f"port {MAX_PORT}; use a base port of at most {MAX_PORT - tp_size + 1}")
@@ -72,6 +78,7 @@ class NixlWorker(ConnectorWorker):
         self._agent_config = agent_config
         self.page_order = page_order  # element order inside a page (kvlink.layout.page_order)
         self.ssm_page_stride, self.aliased = ssm_page_stride, aliased  # see WorkerGeometry
+        self.mem_type = mem_type  # NIXL memory kind of the KV caches (DRAM, or VRAM for GPU tensors)
         self.clock = clock
         self.secret = resolve_secret(config.secret)  # same secret as the side channel: authenticates notifications
         self.stats = ConnectorStats()
@@ -106,7 +113,7 @@ class NixlWorker(ConnectorWorker):
                 raise ValueError(f"layer {region.layer}: tensor has {n} bytes, layout expects "
                                  f"{region.page_stride * region.num_pages}; allocate with kv_tensor_specs")
         name = f"{self.config.engine_id}-r{self.tp_rank}-{self.config.incarnation or uuid.uuid4().hex[:8]}"
-        agent = NixlAgent(name, self._agent_config)
+        agent = NixlAgent(name, self._agent_config, mem_type=self.mem_type)
         areas = [(r.base, r.page_stride * r.num_pages) for r in geometry.regions]
         agent.register_regions(areas)
         self.memory = AddressSpace(areas)
