@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_client import greedy_token_ids
+from vllm_client import complete, token_ids
 
 from kvlink.procs.launcher import Service
 
@@ -85,9 +85,15 @@ class VllmServers:
     def colocated_token_ids(self, spec: VllmServerSpec, prompts: Iterable[str]) -> dict[str, list[int]]:
         """Each prompt's greedy token ids from a server started for them and stopped after, so
         the P/D servers that follow have its memory."""
+        prompts = list(prompts)
+        return dict(zip(prompts, self.colocated_answers(spec, prompts), strict=True))
+
+    def colocated_answers(self, spec: VllmServerSpec, prompts: Iterable[Any]) -> list[list[int]]:
+        """As `colocated_token_ids`, in prompt order, for prompts of text or of token ids."""
         (server,) = self.start(spec)
         try:
-            return greedy_token_ids(server.url, served_model(server.url), prompts)
+            model = served_model(server.url)
+            return [token_ids(complete(server.url, model, prompt)) for prompt in prompts]
         finally:
             self.stop(server)
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 from layerwise_client import layerwise_answers
-from vllm_client import complete, load_through, metric, token_ids, wait_metric
+from vllm_client import load_through, metric, wait_metric
 
 from kvlink.connector.secret import new_secret
 from kvlink.integrations.vllm.launch import VllmServerSpec, served_model
@@ -50,12 +50,7 @@ def gdn_dir() -> Path:
 def references(vllm_servers: VllmServers, gdn_dir: Path) -> list[list[int]]:
     spec = VllmServerSpec(model=gdn_dir, port=vllm_servers.http_port(), cores="0", enforce_eager=True,
                           dtype="bfloat16", args=GDN_ARGS, name="gdn-colocated")
-    (server,) = vllm_servers.start(spec)
-    try:
-        model = served_model(server.url)
-        return [token_ids(complete(server.url, model, prompt)) for prompt in PROMPTS]  # type: ignore[arg-type]
-    finally:
-        vllm_servers.stop(server)
+    return vllm_servers.colocated_answers(spec, PROMPTS)
 
 
 GDN_SECRET = new_secret()  # the module's servers sign alike

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from vllm_client import complete, load_through, metric, token_ids, wait_metric
+from vllm_client import load_through, metric, wait_metric
 
 from kvlink.connector.secret import new_secret
 from kvlink.integrations.vllm.launch import VllmServerSpec, served_model
@@ -43,12 +43,7 @@ def _colocated(vllm_servers: VllmServers, gdn_dir: Path, tp: int) -> list[list[i
     spec = VllmServerSpec(model=gdn_dir, port=vllm_servers.http_port(), cores="0|1" if tp == 2 else "0",
                           enforce_eager=True, dtype="bfloat16", args=GDN_ARGS, name=f"gdn-tp{tp}-colocated",
                           tensor_parallel_size=tp)
-    (server,) = vllm_servers.start(spec)
-    try:
-        model = served_model(server.url)
-        return [token_ids(complete(server.url, model, prompt)) for prompt in PROMPTS]  # type: ignore[arg-type]
-    finally:
-        vllm_servers.stop(server)
+    return vllm_servers.colocated_answers(spec, PROMPTS)
 
 
 @pytest.fixture(scope="module")
