@@ -27,6 +27,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     "load": ("kvlink.cli.bench_load", "500 requests through a router (or two), 10%% cancelled: no leaks, TTFT, errors"),
     "layerwise": ("kvlink.cli.bench_layerwise", "TTFT of pull, push and layerwise across two hosts (netns, tc rates)"),
     "vllm": ("kvlink.cli.bench_vllm", "vLLM 1P1D: KvlinkConnector vs NixlConnector (latency, transfer, idle CPU, answers)"),
+    "vllm-matrix": ("kvlink.cli.bench_vllm_matrix",
+                    "vLLM P/D per support-matrix case (TP pairs, prefix hits, push, dtypes): exact, wrong, error, hang, crash"),
 }
 
 

@@ -1,0 +1,95 @@
+"""`kvlink bench vllm-matrix`: connectors through docs/vllm.md's support-matrix cases in vLLM."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+from pathlib import Path
+
+from kvlink.cli.argtypes import json_object
+from kvlink.cli.ranges import ranged
+from kvlink.layout.limits import SECONDS
+
+
+def _names(text: str, known: tuple[str, ...], what: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    bad = [n for n in names if n not in known]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated subset of the {what} "
+                                         f"{','.join(known)}; got {text!r}")
+    return names
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvlink.bench.vllm_matrix import CELLS, CONNECTORS, FAMILIES
+
+    families = tuple(FAMILIES)
+    parser.add_argument("--connectors", type=lambda t: _names(t, CONNECTORS, "connectors"), default=CONNECTORS,
+                        help="comma-separated: nixl,kvlink (default both)")
+    parser.add_argument("--families", type=lambda t: _names(t, families, "families"), default=families,
+                        help="comma-separated families (default every one): " + ", ".join(
+                            f"{f.name} ({f.about})" for f in FAMILIES.values()))
+    parser.add_argument("--cells", default=None, metavar="N,N,...",
+                        help=f"only these cells, by number in --list order (1-{len(CELLS)})")
+    parser.add_argument("--list", action="store_true", help="list the cells and exit")
+    parser.add_argument("--deadline-s", type=ranged(SECONDS), default=60.0,
+                        help="per request; past it the cell counts as a hang (default 60)")
+    parser.add_argument("--nixl-extra", type=json_object, default={}, metavar="JSON",
+                        help="NixlConnector's kv_connector_extra_config")
+    parser.add_argument("--out-dir", type=Path, default=Path("bench-results/vllm-matrix"),
+                        help="JSON, markdown and server logs go here")
+
+
+def _chosen_cells(args: argparse.Namespace) -> tuple[object, ...]:
+    from kvlink.bench.vllm_matrix import CELLS
+
+    numbered = list(enumerate(CELLS, 1))
+    if args.cells:
+        try:
+            wanted = {int(x) for x in args.cells.split(",") if x.strip()}
+        except ValueError:
+            raise ValueError(f"--cells takes numbers, got {args.cells!r}") from None
+        if not wanted or not wanted <= {n for n, _ in numbered}:
+            raise ValueError(f"--cells takes numbers 1-{len(CELLS)}, got {args.cells!r}")
+        numbered = [(n, c) for n, c in numbered if n in wanted]
+    return tuple(c for _, c in numbered if c.family in args.families)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvlink.bench.vllm_matrix import CELLS, MatrixConfig, markdown, run_matrix
+
+    if args.list:
+        for number, cell in enumerate(CELLS, 1):
+            print(f"{number:3d}  {cell.key}  [{cell.kind}; P {cell.p.label()}; D {cell.d.label()}]")
+        return 0
+    try:
+        cells = _chosen_cells(args)
+    except ValueError as error:
+        print(f"kvlink bench vllm-matrix: error: {error}")
+        return 2
+    if not cells:
+        print("kvlink bench vllm-matrix: error: no cell matches --families/--cells")
+        return 2
+    out_dir: Path = args.out_dir
+    config = MatrixConfig(cells=cells, connectors=args.connectors, deadline_s=args.deadline_s,  # type: ignore[arg-type]
+                          log_dir=(out_dir / "logs").resolve(), nixl_extra=dict(args.nixl_extra))
+
+    def interrupted(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupted)
+    signal.signal(signal.SIGINT, interrupted)
+    try:
+        report = run_matrix(config, progress=lambda line: print(line, flush=True))
+    except KeyboardInterrupt:
+        print("interrupted; every process started was stopped")
+        return 130
+    text = markdown(report)
+    print()
+    print(text)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "matrix.json").write_text(json.dumps(report, indent=2, default=str))
+    (out_dir / "matrix.md").write_text(text)
+    print(f"wrote {out_dir / 'matrix.json'} and {out_dir / 'matrix.md'}")
+    return 0

@@ -1,0 +1,78 @@
+"""`kvlink bench vllm-matrix`: its cells, prompts, references and how outcomes are summed up
+(the servers' part runs in the bench itself; docs/vllm.md's matrix is its output)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kvlink.bench.vllm_matrix import (
+    CELLS,
+    FAMILIES,
+    Cell,
+    Side,
+    _references_needed,
+    markdown,
+    prompts_for,
+    summarize,
+)
+
+
+def test_every_cell_names_a_known_family_and_kind() -> None:
+    assert {c.family for c in CELLS} <= set(FAMILIES)
+    assert {c.kind for c in CELLS} <= {"pull", "push", "prefix"}
+    assert len({c.key for c in CELLS}) == len(CELLS)
+
+
+def test_prefix_prompts_share_a_prefix_of_whole_blocks() -> None:
+    prompts = prompts_for(Cell("dense", "x", Side(), Side(), "prefix"))
+    assert len(prompts) == 3 and len(set(prompts)) == 3
+    shared = min(len(p) for p in prompts)
+    while len({p[:shared] for p in prompts}) > 1:
+        shared -= 1
+    assert shared > 2000  # characters: several 128-token blocks of the story
+
+
+def test_references_add_p_flags_only_when_tp_differs() -> None:
+    same = _references_needed(Cell("dense", "x", Side(block=32), Side()))
+    assert list(same) == ["colocated at D's flags"]
+    mixed = _references_needed(Cell("dense", "x", Side(tp=2), Side()))
+    assert mixed["colocated at P's flags"].tp == 2 and mixed["colocated at D's flags"].tp == 1
+
+
+def _answer(outcome: str, detail: str = "") -> dict[str, object]:
+    return {"outcome": outcome, **({"detail": detail} if detail else {})}
+
+
+@pytest.mark.parametrize(("result", "expected"), [
+    ({"answers": [_answer("exact")] * 6}, "exact 6/6"),
+    ({"answers": [_answer("exact")] * 2 + [_answer("wrong text")] * 4}, "wrong text 4/6; exact 2/6"),
+    ({"answers": [_answer("HTTP error", "D: 500 boom")] * 6}, "HTTP error 6/6; first error: D: 500 boom"),
+    ({"answers": [_answer("exact"), _answer("hang", "D: None timeout")], "stopped": "hang past 60 s"},
+     "hang past 60 s; exact 1/6; first error: D: None timeout"),
+    ({"start_failed": "nixl-P: AssertionError: DS"}, "start failed: nixl-P: AssertionError: DS"),
+])
+def test_summaries(result: dict[str, object], expected: str) -> None:
+    assert summarize(result, 6) == expected
+
+
+def test_markdown_has_a_row_per_cell_and_a_column_per_connector() -> None:
+    report = {"config": {"connectors": ["nixl", "kvlink"]}, "cells": [
+        {"key": "dense: P TP 2 -> D TP 1", "connectors": {"nixl": {"summary": "wrong text 6/6"},
+                                                         "kvlink": {"summary": "exact 6/6"}}},
+        {"key": "mla: same", "reference_failed": "boom"},
+    ]}
+    lines = markdown(report).splitlines()
+    assert lines[0] == "| family | case | NixlConnector | kvlink |"
+    assert lines[2] == "| dense | P TP 2 -> D TP 1 | wrong text 6/6 | exact 6/6 |"
+    assert lines[3].count("colocated reference failed") == 2
+
+
+def test_cli_lists_cells_and_refuses_unknown_ones() -> None:
+    run = [sys.executable, "-m", "kvlink.cli.main", "bench", "vllm-matrix"]
+    listed = subprocess.run([*run, "--list"], capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0 and len(listed.stdout.splitlines()) == len(CELLS)
+    bad = subprocess.run([*run, "--cells", "999"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--cells takes numbers" in bad.stdout
