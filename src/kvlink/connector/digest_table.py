@@ -69,6 +69,7 @@ class DigestSlots:
     def __init__(self, layout: DigestLayout, slots: int, agent: NixlAgent, device_id: int) -> None:
         self.layout = layout
         self.slots = slots
+        self.slice_bytes = np.array([layout.slice_bytes(g) for g in range(len(layout.group_units))], dtype=np.int64)
         nbytes = max(slots * layout.row_entries * ENTRY_BYTES, ENTRY_BYTES)
         self._map, data = populated_bytes(nbytes)
         self.base = int(data.ctypes.data)

@@ -87,9 +87,12 @@ def digests(memory: Memory, addrs: npt.NDArray[np.int64], lengths: npt.NDArray[n
             starts: npt.NDArray[np.int64], seeds: Sequence[int]) -> list[int]:
     """Digest of each unit `k`: xxh3-64 seeded with `seeds[k]` over its ranges
     `starts[k]:starts[k+1]` in order, as one stream (empty ranges add nothing)."""
-    keep = lengths > 0
-    bounds = np.concatenate(([0], np.cumsum(keep)))[starts].tolist()
-    views = _pieces(memory, addrs[keep], lengths[keep])
+    if not lengths.size or lengths.min() > 0:
+        bounds, views = starts.tolist(), _pieces(memory, addrs, lengths)
+    else:
+        keep = lengths > 0
+        bounds = np.concatenate(([0], np.cumsum(keep)))[starts].tolist()
+        views = _pieces(memory, addrs[keep], lengths[keep])
     out = []
     for k, seed in enumerate(seeds):
         h = xxhash.xxh3_64(seed=seed)
@@ -156,17 +159,23 @@ def check(spec: VerifySpec, slices: npt.NDArray[np.uint64], seeds: Sequence[int]
     result = CheckResult()
     expected_seed = np.asarray(seeds, dtype=np.uint64)[spec.slice_index]
     unsealed = np.flatnonzero(slices[:, 0] != expected_seed)
-    result.unsealed = [(int(spec.slice_group[i]), int(spec.slice_index[i])) for i in unsealed]
-    units = np.flatnonzero(~np.isin(spec.unit_slice, unsealed))
-    if not units.size:
-        return result
-    pieces, bounds = _unit_pieces(spec.piece_starts, units)
+    if unsealed.size:
+        result.unsealed = [(int(spec.slice_group[i]), int(spec.slice_index[i])) for i in unsealed]
+        units = np.flatnonzero(~np.isin(spec.unit_slice, unsealed))
+        if not units.size:
+            return result
+        pieces, bounds = _unit_pieces(spec.piece_starts, units)
+        addrs, lengths = spec.piece_addr[pieces], spec.piece_len[pieces]
+    else:  # the usual case: every unit of the spec, its pieces as they are
+        units, bounds = np.arange(spec.unit_slice.size, dtype=np.int64), spec.piece_starts
+        addrs, lengths = spec.piece_addr, spec.piece_len
+        if not units.size:
+            return result
     unit_slice = spec.unit_slice[units]
-    got = np.array(digests(memory, spec.piece_addr[pieces], spec.piece_len[pieces], bounds,
-                           [int(seed) for seed in expected_seed[unit_slice].tolist()]), dtype=np.uint64)
+    got = np.array(digests(memory, addrs, lengths, bounds, expected_seed[unit_slice].tolist()), dtype=np.uint64)
     want = slices[unit_slice, spec.unit_slot[units]]
     result.units = int(units.size)
-    result.hashed_bytes = int(spec.piece_len[pieces].sum())
+    result.hashed_bytes = int(lengths.sum())
     for k in np.flatnonzero(got != want).tolist():
         s = int(unit_slice[k])
         result.mismatches.append((int(spec.slice_group[s]), int(spec.slice_index[s]),

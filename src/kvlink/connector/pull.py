@@ -135,7 +135,7 @@ class PullReader:
         pool = engine.digest_slots[src_rank]
         base = engine.handles[src_rank].digest_local_base
         groups = (ids - base) // pool.slots
-        return sum(pool.layout.slice_bytes(int(g)) for g in groups)
+        return int(pool.slice_bytes[groups].sum())
 
     def _runs(self, engine: RemoteEngine, src_rank: int, local_ids: IntArray, remote_ids: IntArray) -> int:
         """How many descriptors the digest slices make once NIXL merged the ones that follow on
@@ -148,7 +148,7 @@ class PullReader:
         table = engine.digest_geometries[src_rank].layout  # the source's rows (the pool's may be another's)
         rg, block = np.divmod(remote_ids - handles.digest_remote_base, table.num_blocks)
         offsets = np.asarray(layout.group_offsets, dtype=np.int64) * ENTRY_BYTES
-        sizes = np.asarray([layout.slice_bytes(g) for g in range(len(layout.group_units))], dtype=np.int64)
+        sizes = pool.slice_bytes
         local, remote = slot * row + offsets[lg], block * row + offsets[rg]
         follows = (local[1:] == local[:-1] + sizes[lg[:-1]]) & (remote[1:] == remote[:-1] + sizes[rg[:-1]])
         return int(local_ids.size - np.count_nonzero(follows))

@@ -222,23 +222,47 @@ def verify_spec(
 
 def _sampled(dg: DigestGeometry, blocks: list[_Eligible], located: tuple[IntArray, IntArray, IntArray],
              num_tokens: int, rng: np.random.Generator, count: int) -> list[_Held] | None:
-    """`count` held units out of a few random candidates; None when too few candidates are
-    held (a reader of a few heads): the caller then locates every unit and picks from those."""
-    sizes = np.array([b.indices.size * b.per_block for b in blocks], dtype=np.int64)
-    total = int(sizes.sum())
+    """`count` held units out of a few random candidates, each range inside one read
+    descriptor; None when too few candidates are (a reader of a few heads, token chunks over
+    several descriptors): the caller then locates every unit and picks from those."""
+    sizes = [b.indices.size * b.per_block for b in blocks]
+    total = sum(sizes)
     if total == 0:
         return []
-    drawn = rng.choice(total, size=min(total, 4 * count), replace=False)
-    bounds = np.concatenate(([0], np.cumsum(sizes)))
-    found = []
-    for position, block in enumerate(blocks):
-        mine = drawn[(drawn >= bounds[position]) & (drawn < bounds[position + 1])] - bounds[position]
-        if mine.size:
-            found.append(_find(dg, block, block.indices[mine // block.per_block], mine % block.per_block,
-                               located, num_tokens))
-    if sum(f.held.size for f in found) < min(count, total):
+    drawn = np.sort(rng.choice(total, size=min(total, 4 * count), replace=False))
+    remote_start, remote_len, local_start = located
+    if not remote_start.size:
         return None
-    return _pick(found, rng, count)
+    found: list[tuple[_Eligible, IntArray, IntArray, IntArray, IntArray, IntArray, int]] = []
+    held_total, at = 0, 0
+    for block, size in zip(blocks, sizes, strict=True):
+        mine = drawn[(drawn >= at) & (drawn < at + size)] - at
+        at += size
+        if not mine.size:
+            continue
+        index, unit = mine // block.per_block, mine % block.per_block
+        indices = block.indices[index]
+        ranges = unit_ranges(dg, block.group, block.ids[indices], indices, num_tokens, unit)
+        addrs, lengths, per = ranges.addrs, ranges.lengths, ranges.per_unit
+        j = np.maximum(np.searchsorted(remote_start, addrs, side="right") - 1, 0)
+        whole = (remote_start[j] <= addrs) & (remote_start[j] + remote_len[j] >= addrs + lengths)
+        held = np.flatnonzero((lengths[::per] > 0) & whole.reshape(-1, per).all(axis=1))
+        held_total += held.size
+        found.append((block, held, indices, unit, local_start[j] + addrs - remote_start[j], lengths, per))
+    if held_total < min(count, total):
+        return None
+    keep = np.sort(rng.permutation(held_total)[:count])
+    out, at = [], 0
+    for block, held, indices, unit, local, lengths, per in found:
+        mine = keep[(keep >= at) & (keep < at + held.size)] - at
+        at += held.size
+        if not mine.size:
+            continue
+        chosen = held[mine]  # candidate positions, in slice order (candidates were drawn sorted)
+        rows = (chosen[:, None] * per + np.arange(per, dtype=np.int64)[None, :]).reshape(-1)
+        out.append(_Held(block.group, indices[chosen], unit[chosen], np.full(chosen.size, per, dtype=np.int64),
+                         local[rows], lengths[rows]))
+    return out
 
 
 def _pick(found: list[_Found], rng: np.random.Generator, count: int) -> list[_Held]:
