@@ -11,6 +11,8 @@ import pytest
 from kvlink.bench.vllm_matrix import (
     CELLS,
     FAMILIES,
+    PRIMARY,
+    SECONDARY,
     Cell,
     Side,
     _references_needed,
@@ -37,9 +39,9 @@ def test_prefix_prompts_share_a_prefix_of_whole_blocks() -> None:
 
 def test_references_add_p_flags_only_when_tp_differs() -> None:
     same = _references_needed(Cell("dense", "x", Side(block=32), Side()))
-    assert list(same) == ["colocated at D's flags"]
+    assert list(same) == [PRIMARY]
     mixed = _references_needed(Cell("dense", "x", Side(tp=2), Side()))
-    assert mixed["colocated at P's flags"].tp == 2 and mixed["colocated at D's flags"].tp == 1
+    assert mixed[SECONDARY].tp == 2 and mixed[PRIMARY].tp == 1
 
 
 def _answer(outcome: str, detail: str = "") -> dict[str, object]:
@@ -53,6 +55,8 @@ def _answer(outcome: str, detail: str = "") -> dict[str, object]:
     ({"answers": [_answer("exact"), _answer("hang", "D: None timeout")], "stopped": "hang past 60 s"},
      "hang past 60 s; exact 1/6; first error: D: None timeout"),
     ({"start_failed": "nixl-P: AssertionError: DS"}, "start failed: nixl-P: AssertionError: DS"),
+    ({"answers": [{"outcome": "wrong text", "equal": {PRIMARY: False, SECONDARY: True}}] * 2},
+     "wrong text 2/6; equal to colocated at P's flags 2/6"),
 ])
 def test_summaries(result: dict[str, object], expected: str) -> None:
     assert summarize(result, 6) == expected

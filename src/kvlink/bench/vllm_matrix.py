@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -44,6 +45,8 @@ from kvlink.procs.launcher import Service
 Progress = Callable[[str], None]
 CONNECTORS = ("nixl", "kvlink")
 OUTCOMES = ("exact", "wrong text", "HTTP error", "hang", "crash", "start failed")
+PRIMARY = "colocated at D's flags"
+SECONDARY = "colocated at P's flags"
 
 
 @dataclass(frozen=True)
@@ -260,13 +263,15 @@ def reference_answers(config: MatrixConfig, family: MatrixFamily, model: Path, s
 
 
 def _complete(url: str, model: str, prompt: str, max_tokens: int, timeout_s: float,
-              kv_params: dict[str, Any] | None) -> dict[str, Any]:
-    """One greedy completion: {"status", "text", "error", "params"}; never raises."""
+              kv_params: dict[str, Any] | None, request_id: str | None = None) -> dict[str, Any]:
+    """One greedy completion: {"status", "text", "error", "params"}; never raises. P and D get
+    the same `request_id` (vLLM's push connector pairs P's blocks with D's by it)."""
     body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
     if kv_params is not None:
         body["kv_transfer_params"] = kv_params
+    headers = {"X-Request-Id": request_id} if request_id else {}
     try:
-        response = httpx.post(url + "/v1/completions", json=body, timeout=timeout_s)
+        response = httpx.post(url + "/v1/completions", json=body, timeout=timeout_s, headers=headers)
     except httpx.TimeoutException:
         return {"status": None, "text": None, "error": "timeout", "params": None}
     except httpx.HTTPError as error:
@@ -286,8 +291,10 @@ def _kv_bytes(d: Service, connector: str) -> float | None:
 
 def run_pd(config: MatrixConfig, connector: str, cell: Cell, p: Service, d: Service, prompts: list[str],
            references: dict[str, list[str | None]]) -> dict[str, Any]:
-    """Every prompt P -> D; each answer sorted against each reference."""
+    """Every prompt P -> D; each answer sorted against colocated vLLM at D's flags (and
+    compared with the other references too)."""
     model = served_model(d.url)
+    tag = uuid.uuid4().hex[:8]
     answers: list[dict[str, Any]] = []
     stopped = ""
     for index, prompt in enumerate(prompts):
@@ -295,17 +302,18 @@ def run_pd(config: MatrixConfig, connector: str, cell: Cell, p: Service, d: Serv
         if connector == "kvlink" and cell.kind == "push":
             ask["transfer_mode"] = "push"
         before = _kv_bytes(d, connector) if connector == "kvlink" or cell.kind != "push" else None
-        first = _complete(p.url, model, prompt, 1, config.deadline_s, ask)
+        rid = f"matrix-{tag}-{index}"
+        first = _complete(p.url, model, prompt, 1, config.deadline_s, ask, rid)
         answer: dict[str, Any] = {"prompt": index}
         if first["status"] != 200 or not isinstance(first["params"], dict):
             answer.update(outcome="hang" if first["error"] == "timeout" else "HTTP error",
                           detail=f"P: {first['status']} {first['error'] or 'no kv_transfer_params'}")
         else:
-            got = _complete(d.url, model, prompt, config.max_tokens, config.deadline_s, first["params"])
+            got = _complete(d.url, model, prompt, config.max_tokens, config.deadline_s, first["params"], rid)
             answer["text"] = got["text"]
             if got["status"] == 200:
                 answer["equal"] = {name: got["text"] == ref[index] for name, ref in references.items()}
-                answer["outcome"] = "exact" if all(answer["equal"].values()) else "wrong text"
+                answer["outcome"] = "exact" if answer["equal"][PRIMARY] else "wrong text"
             else:
                 answer.update(outcome="hang" if got["error"] == "timeout" else "HTTP error",
                               detail=f"D: {got['status']} {got['error']}")
@@ -338,6 +346,9 @@ def summarize(result: dict[str, Any], total: int) -> str:
     for outcome in ("HTTP error", "wrong text", "exact"):
         if counts.get(outcome):
             parts.append(f"{outcome} {counts[outcome]}/{total}")
+    other = [a["equal"][SECONDARY] for a in answers if SECONDARY in a.get("equal", {})]
+    if other:
+        parts.append(f"equal to colocated at P's flags {sum(other)}/{total}")
     errors = [a["detail"] for a in answers if a.get("detail")]
     if errors:
         parts.append(f"first error: {errors[0][:160]}")
@@ -346,9 +357,9 @@ def summarize(result: dict[str, Any], total: int) -> str:
 
 def _references_needed(cell: Cell) -> dict[str, Side]:
     """Colocated sides to compare against: D's flags, and P's where the TP sizes differ."""
-    refs = {"colocated at D's flags": replace(cell.d, env=())}
+    refs = {PRIMARY: replace(cell.d, env=())}
     if cell.p.tp != cell.d.tp:
-        refs["colocated at P's flags"] = replace(cell.p, env=())
+        refs[SECONDARY] = replace(cell.p, env=())
     return refs
 
 
