@@ -213,14 +213,14 @@ def test_quick_bench_kvlink(tmp_path: Path) -> None:
     from kvlink.cli.main import main
 
     assert main(["bench", "vllm", "--quick", "--connectors", "kvlink", "--enforce-eager", "--family", "hybrid",
-                 "--out-dir", str(tmp_path)]) == 0
+                 "--num-prompts", "2", "--idle-s", "2", "--out-dir", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "bench-vllm.json").read_text())
     assert report["config"]["family"] == "hybrid"
     assert report["config"]["server_args"] == ["--no-enable-prefix-caching"]
     (case,) = report["cases"]
     assert case["error"] is None, case["error"]
     assert all(a["equal"] for a in case["answers"]), case["answers"]
-    assert case["transfer"]["transfers"] >= 4
+    assert case["transfer"]["transfers"] >= 2  # the client's requests
     assert all(a["kv_bytes"] > 0 for a in case["answers"]), case["answers"]  # every answer was loaded
     assert (tmp_path / "bench-vllm.png").stat().st_size > 0
 

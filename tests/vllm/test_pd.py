@@ -159,7 +159,7 @@ def colocated(vllm_servers: VllmServers, smollm2_server: Service) -> Colocated:
 def test_unknown_extra_config_key_refuses_to_start(vllm_servers: VllmServers, smollm2_dir: Path) -> None:
     config = kvlink_transfer_config(vllm_servers.side_channel_port(), lease_second=5)
     spec = VllmServerSpec(model=smollm2_dir, port=vllm_servers.http_port(), cores="1", kv_transfer_config=config,
-                          env={"KVLINK_SECRET": new_secret()}, name="kvlink-bad-config")
+                          enforce_eager=True, env={"KVLINK_SECRET": new_secret()}, name="kvlink-bad-config")
     with pytest.raises(RuntimeError):
         vllm_servers.start(spec, timeout_s=240)
     log = (vllm_servers.log_dir / "kvlink-bad-config.log").read_text(errors="replace")

@@ -19,6 +19,7 @@ vLLM with D's flags (and, where the TP sizes differ, P's too):
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -181,13 +182,18 @@ def _connector_config(connector: str, kind: str, side_port: int, secret: str,
     return kvlink_transfer_config(side_port), {"KVLINK_SECRET": secret}
 
 
+_RAISED = re.compile(r"\b[A-Za-z_.]*(Error|Exception|Interrupt)\b: .+")
+
+
 def _first_error_line(service: Service) -> str:
-    """The most telling line of a server's log: the last error or exception it printed."""
+    """The most telling line of a dead server's log: the last exception it raised (its
+    message), else its last line."""
     lines = [ln.strip() for ln in service.log_tail(300).splitlines() if ln.strip()]
-    for marker in ("Error:", "Error ", "ERROR", "assert", "Exception"):
-        hits = [ln for ln in lines if marker in ln]
-        if hits:
-            return hits[-1][-300:]
+    raised = [ln for ln in lines if "WARNING" not in ln and _RAISED.search(ln)]
+    if raised:
+        match = _RAISED.search(raised[-1])
+        assert match is not None
+        return match.group(0)[-300:]
     return lines[-1][-300:] if lines else "(empty log)"
 
 
@@ -228,8 +234,12 @@ class ServerPool:
             try:
                 wait_ready([s for _, s in started], self.config.startup_timeout_s, lambda _line: None)
             except (RuntimeError, TimeoutError) as error:
-                dead = [(key, s) for key, s in started if s.proc.poll() is not None] or started
-                reason = f"{dead[0][1].name}: {_first_error_line(dead[0][1])}"
+                dead = [(key, s) for key, s in started if s.proc.poll() is not None]
+                if dead:
+                    reason = f"{dead[0][1].name}: {_first_error_line(dead[0][1])}"
+                else:
+                    dead = started
+                    reason = f"not ready within {self.config.startup_timeout_s:.0f} s"
                 stop_servers([s for _, s in started])
                 for key, _ in dead:
                     self.failed[key] = reason
@@ -363,7 +373,9 @@ def _references_needed(cell: Cell) -> dict[str, Side]:
     return refs
 
 
-def run_matrix(config: MatrixConfig, progress: Progress) -> dict[str, Any]:
+def run_matrix(config: MatrixConfig, progress: Progress,
+               on_cell: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Every cell of `config`; `on_cell(report so far)` after each (a long run keeps what it has)."""
     from kvlink.connector.secret import new_secret
     from kvlink.integrations.vllm import models
 
@@ -409,6 +421,8 @@ def run_matrix(config: MatrixConfig, progress: Progress) -> dict[str, Any]:
                 if result.get("stopped"):
                     pool.stop()  # a hung or crashed server set is not reused
             report["cells"].append(entry)
+            if on_cell is not None:
+                on_cell(report)
     finally:
         for pool in pools.values():
             pool.stop()

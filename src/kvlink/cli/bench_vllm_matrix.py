@@ -6,6 +6,7 @@ import argparse
 import json
 import signal
 from pathlib import Path
+from typing import Any
 
 from kvlink.cli.argtypes import json_object
 from kvlink.cli.ranges import ranged
@@ -31,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated families (default every one): " + ", ".join(
                             f"{f.name} ({f.about})" for f in FAMILIES.values()))
     parser.add_argument("--cells", default=None, metavar="N,N,...",
-                        help=f"only these cells, by number in --list order (1-{len(CELLS)})")
+                        help=f"only these cells, by number in --list order (1-{len(CELLS)}), run in the order given")
     parser.add_argument("--list", action="store_true", help="list the cells and exit")
     parser.add_argument("--deadline-s", type=ranged(SECONDS), default=60.0,
                         help="per request; past it the cell counts as a hang (default 60)")
@@ -47,12 +48,12 @@ def _chosen_cells(args: argparse.Namespace) -> tuple[object, ...]:
     numbered = list(enumerate(CELLS, 1))
     if args.cells:
         try:
-            wanted = {int(x) for x in args.cells.split(",") if x.strip()}
+            wanted = list(dict.fromkeys(int(x) for x in args.cells.split(",") if x.strip()))
         except ValueError:
             raise ValueError(f"--cells takes numbers, got {args.cells!r}") from None
-        if not wanted or not wanted <= {n for n, _ in numbered}:
+        if not wanted or not set(wanted) <= {n for n, _ in numbered}:
             raise ValueError(f"--cells takes numbers 1-{len(CELLS)}, got {args.cells!r}")
-        numbered = [(n, c) for n, c in numbered if n in wanted]
+        numbered = [(n, CELLS[n - 1]) for n in wanted]  # in the order given
     return tuple(c for _, c in numbered if c.family in args.families)
 
 
@@ -80,16 +81,19 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, interrupted)
     signal.signal(signal.SIGINT, interrupted)
-    try:
-        report = run_matrix(config, progress=lambda line: print(line, flush=True))
-    except KeyboardInterrupt:
-        print("interrupted; every process started was stopped")
-        return 130
-    text = markdown(report)
-    print()
-    print(text)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "matrix.json").write_text(json.dumps(report, indent=2, default=str))
-    (out_dir / "matrix.md").write_text(text)
+
+    def save(report: dict[str, Any]) -> None:
+        (out_dir / "matrix.json").write_text(json.dumps(report, indent=2, default=str))
+        (out_dir / "matrix.md").write_text(markdown(report))
+
+    try:
+        report = run_matrix(config, progress=lambda line: print(line, flush=True), on_cell=save)
+    except KeyboardInterrupt:
+        print(f"interrupted; every process started was stopped; the cells done are in {out_dir / 'matrix.md'}")
+        return 130
+    save(report)
+    print()
+    print(markdown(report))
     print(f"wrote {out_dir / 'matrix.json'} and {out_dir / 'matrix.md'}")
     return 0
