@@ -233,7 +233,10 @@ class ServerPool:
             started = [(key, start_server(spec, self.config.log_dir)) for key, spec in specs]
             try:
                 wait_ready([s for _, s in started], self.config.startup_timeout_s, lambda _line: None)
-            except (RuntimeError, TimeoutError) as error:
+            except BaseException as error:
+                if not isinstance(error, (RuntimeError, TimeoutError)):  # interrupted: stop what started
+                    stop_servers([s for _, s in started])
+                    raise
                 dead = [(key, s) for key, s in started if s.proc.poll() is not None]
                 if dead:
                     reason = f"{dead[0][1].name}: {_first_error_line(dead[0][1])}"
