@@ -419,6 +419,9 @@ def run_matrix(config: MatrixConfig, progress: Progress,
                 except RuntimeError as error:
                     result = {"start_failed": str(error)}
                 result["summary"] = summarize(result, len(prompts))
+                moved = [a.get("kv_bytes") for a in result.get("answers") or []]
+                if cell.kind == "prefix" and moved and all(m is not None for m in moved):
+                    result["summary"] += "; KV bytes D loaded per question: " + ", ".join(f"{m:,.0f}" for m in moved)
                 progress(f"  {connector}: {result['summary']}")
                 entry["connectors"][connector] = result
                 if result.get("stopped"):
