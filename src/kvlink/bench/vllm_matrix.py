@@ -18,7 +18,6 @@ vLLM with D's flags (and, where the TP sizes differ, P's too):
 
 from __future__ import annotations
 
-import contextlib
 import re
 import time
 import uuid
@@ -27,11 +26,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from kvlink.bench.vllm_config import reference_prompts
-from kvlink.bench.vllm_measure import METRIC_PREFIX, scrape
-from kvlink.bench.vllm_servers import _pythonpath
+from kvlink.bench.vllm_measure import METRIC_PREFIX, kv_bytes_total
+from kvlink.bench.vllm_servers import _pythonpath, complete
 from kvlink.integrations.vllm.launch import (
     VllmServerSpec,
     kvlink_transfer_config,
@@ -45,7 +42,6 @@ from kvlink.procs.launcher import Service
 
 Progress = Callable[[str], None]
 CONNECTORS = ("nixl", "kvlink")
-OUTCOMES = ("exact", "wrong text", "HTTP error", "hang", "crash", "start failed")
 PRIMARY = "colocated at D's flags"
 SECONDARY = "colocated at P's flags"
 
@@ -269,37 +265,10 @@ def reference_answers(config: MatrixConfig, family: MatrixFamily, model: Path, s
     try:
         wait_ready([server], config.startup_timeout_s, lambda _line: None)
         name = served_model(server.url)
-        return [_complete(server.url, name, prompt, config.max_tokens, config.deadline_s, None)["text"]
+        return [complete(server.url, name, prompt, config.max_tokens, config.deadline_s)["text"]
                 for prompt in prompts]
     finally:
         stop_servers([server])
-
-
-def _complete(url: str, model: str, prompt: str, max_tokens: int, timeout_s: float,
-              kv_params: dict[str, Any] | None, request_id: str | None = None) -> dict[str, Any]:
-    """One greedy completion: {"status", "text", "error", "params"}; never raises. P and D get
-    the same `request_id` (vLLM's push connector pairs P's blocks with D's by it)."""
-    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
-    if kv_params is not None:
-        body["kv_transfer_params"] = kv_params
-    headers = {"X-Request-Id": request_id} if request_id else {}
-    try:
-        response = httpx.post(url + "/v1/completions", json=body, timeout=timeout_s, headers=headers)
-    except httpx.TimeoutException:
-        return {"status": None, "text": None, "error": "timeout", "params": None}
-    except httpx.HTTPError as error:
-        return {"status": None, "text": None, "error": f"{type(error).__name__}: {error}", "params": None}
-    if response.status_code != 200:
-        return {"status": response.status_code, "text": None, "error": response.text[:200], "params": None}
-    data = response.json()
-    return {"status": 200, "text": data["choices"][0]["text"], "error": None,
-            "params": data.get("kv_transfer_params")}
-
-
-def _kv_bytes(d: Service, connector: str) -> float | None:
-    with contextlib.suppress(Exception):
-        return scrape(d.url).get(METRIC_PREFIX[connector] + "bytes_transferred_sum", 0.0)
-    return None
 
 
 def run_pd(config: MatrixConfig, connector: str, cell: Cell, p: Service, d: Service, prompts: list[str],
@@ -308,30 +277,31 @@ def run_pd(config: MatrixConfig, connector: str, cell: Cell, p: Service, d: Serv
     compared with the other references too)."""
     model = served_model(d.url)
     tag = uuid.uuid4().hex[:8]
+    prefix = METRIC_PREFIX[connector]
     answers: list[dict[str, Any]] = []
     stopped = ""
     for index, prompt in enumerate(prompts):
         ask: dict[str, Any] = {"do_remote_decode": True}
         if connector == "kvlink" and cell.kind == "push":
             ask["transfer_mode"] = "push"
-        before = _kv_bytes(d, connector) if connector == "kvlink" or cell.kind != "push" else None
+        before = kv_bytes_total(d.url, prefix) if connector == "kvlink" or cell.kind != "push" else None
         rid = f"matrix-{tag}-{index}"
-        first = _complete(p.url, model, prompt, 1, config.deadline_s, ask, rid)
+        first = complete(p.url, model, prompt, 1, config.deadline_s, ask, rid)
         answer: dict[str, Any] = {"prompt": index}
-        if first["status"] != 200 or not isinstance(first["params"], dict):
-            answer.update(outcome="hang" if first["error"] == "timeout" else "HTTP error",
+        if first["status"] != 200 or not isinstance(first.get("params"), dict):
+            answer.update(outcome="hang" if first.get("timed_out") else "HTTP error",
                           detail=f"P: {first['status']} {first['error'] or 'no kv_transfer_params'}")
         else:
-            got = _complete(d.url, model, prompt, config.max_tokens, config.deadline_s, first["params"], rid)
+            got = complete(d.url, model, prompt, config.max_tokens, config.deadline_s, first["params"], rid)
             answer["text"] = got["text"]
             if got["status"] == 200:
                 answer["equal"] = {name: got["text"] == ref[index] for name, ref in references.items()}
                 answer["outcome"] = "exact" if answer["equal"][PRIMARY] else "wrong text"
             else:
-                answer.update(outcome="hang" if got["error"] == "timeout" else "HTTP error",
+                answer.update(outcome="hang" if got.get("timed_out") else "HTTP error",
                               detail=f"D: {got['status']} {got['error']}")
             time.sleep(0.3)  # D's stats reach its API server with its next step
-            after = _kv_bytes(d, connector)
+            after = kv_bytes_total(d.url, prefix)
             if before is not None and after is not None:
                 answer["kv_bytes"] = after - before
         answers.append(answer)

@@ -69,6 +69,14 @@ def scrape(url: str) -> dict[str, float]:
     return parse_prometheus(response.text)
 
 
+def kv_bytes_total(url: str, prefix: str) -> float | None:
+    """The connector's cumulative KV bytes on a server (None when /metrics cannot be read)."""
+    try:
+        return scrape(url).get(prefix + "bytes_transferred_sum", 0.0)
+    except Exception:
+        return None
+
+
 def _proc_tree(pid: int) -> list[int]:
     import psutil
 

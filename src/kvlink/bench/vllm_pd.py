@@ -31,6 +31,7 @@ from kvlink.bench.vllm_config import Case, VllmBenchConfig, reference_prompts
 from kvlink.bench.vllm_measure import (
     METRIC_PREFIX,
     idle_cpu,
+    kv_bytes_total,
     metric_delta,
     scrape,
     transfer_summary,
@@ -123,10 +124,10 @@ def run_case(config: VllmBenchConfig, case: Case, index: int, reference: list[st
         except Exception as error:
             progress(f"    /metrics after: {error}")
         answers = []
-        seen = _kv_bytes(decode.url, prefix)
+        seen = kv_bytes_total(decode.url, prefix)
         for prompt, expected in zip(reference_prompts(), reference, strict=True):
             got = complete(proxy.url, model, prompt, config.reference_tokens)
-            moved = _kv_bytes(decode.url, prefix)
+            moved = kv_bytes_total(decode.url, prefix)
             kv_bytes = moved - seen if moved is not None and seen is not None else None
             seen = moved
             answers.append({**got, "equal": got["text"] == expected, "expected": expected, "kv_bytes": kv_bytes})
@@ -144,14 +145,6 @@ def run_case(config: VllmBenchConfig, case: Case, index: int, reference: list[st
             result["server_errors"] = errors[:5]
     progress(f"    case done in {time.monotonic() - started:.0f} s")
     return result
-
-
-def _kv_bytes(url: str, prefix: str) -> float | None:
-    """The connector's cumulative KV bytes on D (None when /metrics cannot be read)."""
-    try:
-        return scrape(url).get(prefix + "bytes_transferred_sum", 0.0)
-    except Exception:
-        return None
 
 
 def vllm_version() -> str:

@@ -106,13 +106,20 @@ def running(services: list[Service]) -> Iterator[list[Service]]:
         launcher.stop_all(services, timeout_s=20.0)
 
 
-def complete(base_url: str, model: str, prompt: str, max_tokens: int,
-             timeout_s: float = 300.0) -> dict[str, Any]:
-    """One greedy completion: {"status", "text", "error"}; never raises on a server's failure."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "stream": False}
+def complete(base_url: str, model: str, prompt: str, max_tokens: int, timeout_s: float = 300.0,
+             kv_params: dict[str, Any] | None = None, request_id: str | None = None) -> dict[str, Any]:
+    """One greedy completion: {"status", "text", "error", "timed_out", "params"} (P's
+    `kv_transfer_params`); never raises on a server's failure. `request_id` goes out as
+    X-Request-Id (vLLM's push connector pairs P's request with D's by it)."""
+    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                            "stream": False}
+    if kv_params is not None:
+        body["kv_transfer_params"] = kv_params
+    headers = {"X-Request-Id": request_id} if request_id else {}
     try:
-        response = httpx.post(base_url + "/v1/completions", json=body, timeout=timeout_s)
+        response = httpx.post(base_url + "/v1/completions", json=body, timeout=timeout_s, headers=headers)
+    except httpx.TimeoutException as error:
+        return {"status": None, "text": None, "error": f"{type(error).__name__}: {error}", "timed_out": True}
     except httpx.HTTPError as error:
         return {"status": None, "text": None, "error": f"{type(error).__name__}: {error}"}
     if response.status_code != 200:
@@ -124,4 +131,5 @@ def complete(base_url: str, model: str, prompt: str, max_tokens: int,
         return {"status": 200, "text": None, "error": f"bad body: {error}: {response.text[:200]}"}
     usage = body.get("usage") if isinstance(body, dict) else None
     prompt_tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-    return {"status": 200, "text": text, "error": None, "prompt_tokens": prompt_tokens}
+    return {"status": 200, "text": text, "error": None, "prompt_tokens": prompt_tokens,
+            "params": body.get("kv_transfer_params")}

@@ -8,7 +8,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from kvlink.cli.argtypes import env_pair, json_object
+from kvlink.cli.argtypes import env_pair, json_object, name_subset
 from kvlink.cli.ranges import ranged
 from kvlink.connector.config import VERIFY_MODES
 from kvlink.layout.limits import CONCURRENCY, COUNT, SECONDS, SEED, int_range
@@ -19,12 +19,7 @@ LENGTH = int_range(1, 2048)
 
 
 def _connectors(text: str) -> tuple[str, ...]:
-    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
-    bad = [n for n in names if n not in CONNECTOR_NAMES]
-    if not names or bad:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated subset of "
-                                         f"{','.join(CONNECTOR_NAMES)}; got {text!r}")
-    return names
+    return name_subset(text, CONNECTOR_NAMES)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

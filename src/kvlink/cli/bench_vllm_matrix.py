@@ -8,27 +8,18 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from kvlink.cli.argtypes import json_object
+from kvlink.cli.argtypes import json_object, name_subset
 from kvlink.cli.ranges import ranged
 from kvlink.layout.limits import SECONDS
-
-
-def _names(text: str, known: tuple[str, ...], what: str) -> tuple[str, ...]:
-    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
-    bad = [n for n in names if n not in known]
-    if not names or bad:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated subset of the {what} "
-                                         f"{','.join(known)}; got {text!r}")
-    return names
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from kvlink.bench.vllm_matrix import CELLS, CONNECTORS, FAMILIES
 
     families = tuple(FAMILIES)
-    parser.add_argument("--connectors", type=lambda t: _names(t, CONNECTORS, "connectors"), default=CONNECTORS,
+    parser.add_argument("--connectors", type=lambda t: name_subset(t, CONNECTORS), default=CONNECTORS,
                         help="comma-separated: nixl,kvlink (default both)")
-    parser.add_argument("--families", type=lambda t: _names(t, families, "families"), default=families,
+    parser.add_argument("--families", type=lambda t: name_subset(t, families), default=families,
                         help="comma-separated families (default every one): " + ", ".join(
                             f"{f.name} ({f.about})" for f in FAMILIES.values()))
     parser.add_argument("--cells", default=None, metavar="N,N,...",

@@ -167,10 +167,11 @@ class _Found:
                      np.array(lengths, dtype=np.int64))
 
 
-def _find(dg: DigestGeometry, block: _Eligible, indices: IntArray, units: IntArray | None,
-          located: tuple[IntArray, IntArray, IntArray], num_tokens: int) -> _Found:
-    """Locate units of one group: every unit of `indices`' blocks, or one per entry with `units`."""
-    ranges = unit_ranges(dg, block.group, block.ids[indices], indices, num_tokens, units)
+def _find(dg: DigestGeometry, block: _Eligible, located: tuple[IntArray, IntArray, IntArray],
+          num_tokens: int) -> _Found:
+    """Locate every unit of one group's eligible blocks."""
+    indices = block.indices
+    ranges = unit_ranges(dg, block.group, block.ids[indices], indices, num_tokens)
     remote_start, remote_len, local_start = located
     covered, local, spread = _locate(ranges.addrs, ranges.lengths, remote_start, remote_len, local_start)
     shape = (ranges.units, ranges.per_unit)
@@ -178,11 +179,8 @@ def _find(dg: DigestGeometry, block: _Eligible, indices: IntArray, units: IntArr
     held = shipped & covered.reshape(shape).all(axis=1)
     partial = shipped & ~held & _touched(ranges.addrs, ranges.lengths, remote_start,
                                          remote_len).reshape(shape).any(axis=1)
-    if units is None:
-        index_of = np.repeat(indices, block.per_block)
-        unit_of = np.tile(np.arange(block.per_block, dtype=np.int64), indices.size)
-    else:
-        index_of, unit_of = indices, units
+    index_of = np.repeat(indices, block.per_block)
+    unit_of = np.tile(np.arange(block.per_block, dtype=np.int64), indices.size)
     return _Found(block.group, np.flatnonzero(held), index_of, unit_of, ranges.per_unit, local, ranges.lengths,
                   spread, int(partial.sum()))
 
@@ -214,7 +212,7 @@ def verify_spec(
     if sample is not None:
         held = _sampled(dg, blocks, located, num_tokens, *sample)
     if held is None:
-        found = [_find(dg, block, block.indices, None, located, num_tokens) for block in blocks]
+        found = [_find(dg, block, located, num_tokens) for block in blocks]
         unverifiable = sum(f.partial for f in found)
         held = [f.take(f.held) for f in found] if sample is None else _pick(found, *sample)
     return _spec(src_rank, dg, blocks, held, num_tokens, unverifiable)
