@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from kvlink.bench import vllm_matrix
 from kvlink.bench.vllm_matrix import (
     CELLS,
     FAMILIES,
     PRIMARY,
     SECONDARY,
     Cell,
+    MatrixConfig,
+    ServerPool,
     Side,
     _references_needed,
     markdown,
@@ -80,3 +84,17 @@ def test_cli_lists_cells_and_refuses_unknown_ones() -> None:
     assert listed.returncode == 0 and len(listed.stdout.splitlines()) == len(CELLS)
     bad = subprocess.run([*run, "--cells", "999"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--cells takes numbers" in bad.stdout
+
+
+def test_a_cell_starts_with_only_its_own_servers_running(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Idle servers of earlier cells are stopped before the next cell's reference starts."""
+    stopped: list[str] = []
+    monkeypatch.setattr(vllm_matrix, "stop_servers", lambda services: stopped.extend(s for s in services))
+    pool = ServerPool(MatrixConfig(log_dir=tmp_path), "s" * 32, lambda _line: None)
+    first, second = CELLS[0], CELLS[1]  # dense prefix and dense push: same sides, other servers
+    for role, key in ServerPool._keys("nixl", FAMILIES[first.family], first).items():
+        pool.running[key] = f"first-{role}"  # type: ignore[assignment]
+    pool.keep_only("nixl", FAMILIES[first.family], first)
+    assert stopped == [] and len(pool.running) == 2
+    pool.keep_only("nixl", FAMILIES[second.family], second)
+    assert sorted(stopped) == ["first-D", "first-P"] and pool.running == {}

@@ -194,8 +194,10 @@ def _first_error_line(service: Service) -> str:
 
 
 class ServerPool:
-    """Running servers by (connector, family, role, side, kind), reused across cells; at most
-    `limit` at once (the least recently used is stopped first)."""
+    """Running servers by (connector, family, role, side, kind), reused by the next cell that
+    has the same ones; at most `max_servers` at once. A cell starts with only its own servers
+    left running (`keep_only`): an idle NixlConnector worker keeps about half a core busy, and
+    four of them starved a colocated reference's start past its timeout on two cores."""
 
     def __init__(self, config: MatrixConfig, secret: str, progress: Progress) -> None:
         self.config, self.secret, self.progress = config, secret, progress
@@ -205,8 +207,7 @@ class ServerPool:
     def get(self, connector: str, family: MatrixFamily, model: Path, cell: Cell) -> tuple[Service, Service]:
         """P and D of the cell, started together where new; raises RuntimeError(reason) when one
         would not start."""
-        keys = {role: (connector, family.name, role, side, cell.kind == "push")
-                for role, side in (("P", cell.p), ("D", cell.d))}
+        keys = self._keys(connector, family, cell)
         for key in keys.values():
             if key in self.failed:
                 raise RuntimeError(self.failed[key])
@@ -248,6 +249,18 @@ class ServerPool:
         for key in keys.values():
             self.running[key] = self.running.pop(key)
         return self.running[keys["P"]], self.running[keys["D"]]
+
+    @staticmethod
+    def _keys(connector: str, family: MatrixFamily, cell: Cell) -> dict[str, tuple[Any, ...]]:
+        return {role: (connector, family.name, role, side, cell.kind == "push")
+                for role, side in (("P", cell.p), ("D", cell.d))}
+
+    def keep_only(self, connector: str, family: MatrixFamily, cell: Cell) -> None:
+        """Stop every running server that `cell` does not use."""
+        keys = set(self._keys(connector, family, cell).values())
+        idle = [key for key in self.running if key not in keys]
+        if idle:
+            stop_servers([self.running.pop(key) for key in idle])
 
     def stop(self) -> None:
         stop_servers(list(self.running.values()))
@@ -365,6 +378,8 @@ def run_matrix(config: MatrixConfig, progress: Progress,
             model = Path(getattr(models, family.model)())
             prompts = prompts_for(cell)
             progress(f"[{number}/{len(config.cells)}] {cell.key} ({family.about})")
+            for connector, pool in pools.items():
+                pool.keep_only(connector, family, cell)
             references: dict[str, list[str | None]] = {}
             try:
                 for name, side in _references_needed(cell).items():
