@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.slow
 
-MAX_TOKENS = 24
+MAX_TOKENS = 12
 LEASE_S = 15.0
 STALL_S = 10.0
 HANDSHAKE_S = 10.0

@@ -33,20 +33,26 @@ DIRECTIONS = ("32->128", "128->32")
 
 
 @pytest.fixture(scope="module")
-def references(vllm_servers: VllmServers, smollm2_dir: Path) -> dict[str, list[int]]:
-    spec = VllmServerSpec(model=smollm2_dir, port=vllm_servers.http_port(), dtype="bfloat16", cores="0",
-                          enforce_eager=True, name="smollm2-bf16-colocated")
-    return vllm_servers.colocated_token_ids(spec, [f"({d}) {p}" for d in DIRECTIONS for p in PROMPTS])
+def pair_specs(vllm_servers: VllmServers, smollm2_dir: Path) -> list[VllmServerSpec]:
+    secret = new_secret()
+    return [vllm_servers.kvlink_spec(smollm2_dir, f"smollm2-bf16-block{block}", core, secret, by_name=True,
+                                     dtype="bfloat16", block_size=block)
+            for block, core in ((32, "0"), (128, "1"))]
 
 
 @pytest.fixture(scope="module")
-def bf16_pair(vllm_servers: VllmServers, smollm2_dir: Path,
+def references(vllm_servers: VllmServers, smollm2_dir: Path,
+               pair_specs: list[VllmServerSpec]) -> dict[str, list[int]]:
+    spec = VllmServerSpec(model=smollm2_dir, port=vllm_servers.http_port(), dtype="bfloat16", cores="0",
+                          enforce_eager=True, name="smollm2-bf16-colocated")
+    return vllm_servers.colocated_token_ids(spec, [f"({d}) {p}" for d in DIRECTIONS for p in PROMPTS],
+                                            alongside=pair_specs)
+
+
+@pytest.fixture(scope="module")
+def bf16_pair(vllm_servers: VllmServers, pair_specs: list[VllmServerSpec],
               references: dict[str, list[int]]) -> Iterator[list[Service]]:
-    secret = new_secret()
-    yield from vllm_servers.serve(*(
-        vllm_servers.kvlink_spec(smollm2_dir, f"smollm2-bf16-block{block}", core, secret, by_name=True,
-                                 dtype="bfloat16", block_size=block)
-        for block, core in ((32, "0"), (128, "1"))))
+    yield from vllm_servers.serve(*pair_specs)
 
 
 @pytest.mark.parametrize("direction", DIRECTIONS)

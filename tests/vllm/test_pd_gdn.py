@@ -46,21 +46,26 @@ def gdn_dir() -> Path:
     return tiny_qwen3_next_dir()
 
 
-@pytest.fixture(scope="module")
-def references(vllm_servers: VllmServers, gdn_dir: Path) -> list[list[int]]:
-    spec = VllmServerSpec(model=gdn_dir, port=vllm_servers.http_port(), cores="0", enforce_eager=True,
-                          dtype="bfloat16", args=GDN_ARGS, name="gdn-colocated")
-    return vllm_servers.colocated_answers(spec, PROMPTS)
-
-
 GDN_SECRET = new_secret()  # the module's servers sign alike
 
 
 @pytest.fixture(scope="module")
-def gdn_pair(vllm_servers: VllmServers, gdn_dir: Path, references: list[list[int]]) -> Iterator[list[Service]]:
-    yield from vllm_servers.serve(*(
-        vllm_servers.kvlink_spec(gdn_dir, f"gdn-{name}", cores, GDN_SECRET, dtype="bfloat16", args=GDN_ARGS)
-        for name, cores in (("p", "0"), ("d", "1"))))
+def pair_specs(vllm_servers: VllmServers, gdn_dir: Path) -> list[VllmServerSpec]:
+    return [vllm_servers.kvlink_spec(gdn_dir, f"gdn-{name}", cores, GDN_SECRET, dtype="bfloat16", args=GDN_ARGS)
+            for name, cores in (("p", "0"), ("d", "1"))]
+
+
+@pytest.fixture(scope="module")
+def references(vllm_servers: VllmServers, gdn_dir: Path, pair_specs: list[VllmServerSpec]) -> list[list[int]]:
+    spec = VllmServerSpec(model=gdn_dir, port=vllm_servers.http_port(), cores="0", enforce_eager=True,
+                          dtype="bfloat16", args=GDN_ARGS, name="gdn-colocated")
+    return vllm_servers.colocated_answers(spec, PROMPTS, alongside=pair_specs)
+
+
+@pytest.fixture(scope="module")
+def gdn_pair(vllm_servers: VllmServers, pair_specs: list[VllmServerSpec],
+             references: list[list[int]]) -> Iterator[list[Service]]:
+    yield from vllm_servers.serve(*pair_specs)
 
 
 def test_the_reference_text_depends_on_the_prompt(references: list[list[int]]) -> None:

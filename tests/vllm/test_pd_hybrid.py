@@ -59,23 +59,28 @@ def hybrid_dir() -> Path:
 
 
 @pytest.fixture(scope="module")
-def references(vllm_servers: VllmServers, hybrid_dir: Path) -> dict[str, list[int]]:
-    spec = VllmServerSpec(model=hybrid_dir, port=vllm_servers.http_port(), cores="0", enforce_eager=True,
-                          env=COLOCATED_ENV, args=HYBRID_ARGS, name="hybrid-colocated")
-    return vllm_servers.colocated_token_ids(spec, tagged())
-
-
-@pytest.fixture(scope="module")
 def secret() -> str:
     return new_secret()
 
 
 @pytest.fixture(scope="module")
-def hybrid_pair(vllm_servers: VllmServers, hybrid_dir: Path, secret: str,
+def pair_specs(vllm_servers: VllmServers, hybrid_dir: Path, secret: str) -> list[VllmServerSpec]:
+    return [vllm_servers.kvlink_spec(hybrid_dir, f"hybrid-{name}", cores, secret, args=HYBRID_ARGS)
+            for name, cores in (("p", "0"), ("d", "1"))]
+
+
+@pytest.fixture(scope="module")
+def references(vllm_servers: VllmServers, hybrid_dir: Path,
+               pair_specs: list[VllmServerSpec]) -> dict[str, list[int]]:
+    spec = VllmServerSpec(model=hybrid_dir, port=vllm_servers.http_port(), cores="0", enforce_eager=True,
+                          env=COLOCATED_ENV, args=HYBRID_ARGS, name="hybrid-colocated")
+    return vllm_servers.colocated_token_ids(spec, tagged(), alongside=pair_specs)
+
+
+@pytest.fixture(scope="module")
+def hybrid_pair(vllm_servers: VllmServers, pair_specs: list[VllmServerSpec],
                 references: dict[str, list[int]]) -> Iterator[list[Service]]:
-    yield from vllm_servers.serve(*(
-        vllm_servers.kvlink_spec(hybrid_dir, f"hybrid-{name}", cores, secret, args=HYBRID_ARGS)
-        for name, cores in (("p", "0"), ("d", "1"))))
+    yield from vllm_servers.serve(*pair_specs)
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])

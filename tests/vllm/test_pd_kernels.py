@@ -261,10 +261,18 @@ class TestVec16:
 
     @pytest.fixture(scope="class")
     @classmethod
-    def references(cls, vllm_servers: VllmServers, model_dir: Path) -> dict[str, list[int]]:
+    def pair_specs(cls, vllm_servers: VllmServers, model_dir: Path) -> list[VllmServerSpec]:
+        secret = new_secret()
+        return [vllm_servers.kvlink_spec(model_dir, f"head80-block{block}", core, secret, block_size=block)
+                for block, core in ((32, "0"), (128, "1"))]
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def references(cls, vllm_servers: VllmServers, model_dir: Path,
+                   pair_specs: list[VllmServerSpec]) -> dict[str, list[int]]:
         spec = VllmServerSpec(model=model_dir, port=vllm_servers.http_port(), cores="0", enforce_eager=True,
                               name="head80-colocated")
-        refs = vllm_servers.colocated_token_ids(spec, TAGGED)
+        refs = vllm_servers.colocated_token_ids(spec, TAGGED, alongside=pair_specs)
         for direction in DIRECTIONS:  # a wrong KV must show as another answer
             answers = {tuple(refs[f"({direction}) {p}"]) for p in PROMPTS}
             assert len(answers) == len(PROMPTS), "greedy text must follow the prompt"
@@ -272,12 +280,9 @@ class TestVec16:
 
     @pytest.fixture(scope="class")
     @classmethod
-    def servers(cls, vllm_servers: VllmServers, model_dir: Path,
+    def servers(cls, vllm_servers: VllmServers, pair_specs: list[VllmServerSpec],
                 references: dict[str, list[int]]) -> Iterator[list[Service]]:
-        secret = new_secret()
-        yield from vllm_servers.serve(*(
-            vllm_servers.kvlink_spec(model_dir, f"head80-block{block}", core, secret, block_size=block)
-            for block, core in ((32, "0"), (128, "1"))))
+        yield from vllm_servers.serve(*pair_specs)
 
     def test_both_servers_run_vec16(self, servers: list[Service]) -> None:
         assert [_kernel_logged(s) for s in servers] == ["vec16 (float32)"] * 2
@@ -304,20 +309,25 @@ class TestFp8:
 
     @pytest.fixture(scope="class")
     @classmethod
-    def references(cls, vllm_servers: VllmServers, smollm2_dir: Path, model_dtype: str) -> dict[str, list[int]]:
-        spec = VllmServerSpec(model=smollm2_dir, port=vllm_servers.http_port(), cores="0", enforce_eager=True,
-                              dtype=model_dtype, args=list(FP8_ARGS), name=f"smollm2-{model_dtype}-fp8-colocated")
-        return vllm_servers.colocated_token_ids(spec, TAGGED)
+    def pair_specs(cls, vllm_servers: VllmServers, smollm2_dir: Path, model_dtype: str) -> list[VllmServerSpec]:
+        secret = new_secret()
+        return [vllm_servers.kvlink_spec(smollm2_dir, f"smollm2-{model_dtype}-fp8-block{block}", core, secret,
+                                         block_size=block, dtype=model_dtype, args=list(FP8_ARGS))
+                for block, core in ((32, "0"), (128, "1"))]
 
     @pytest.fixture(scope="class")
     @classmethod
-    def servers(cls, vllm_servers: VllmServers, smollm2_dir: Path, model_dtype: str,
+    def references(cls, vllm_servers: VllmServers, smollm2_dir: Path, model_dtype: str,
+                   pair_specs: list[VllmServerSpec]) -> dict[str, list[int]]:
+        spec = VllmServerSpec(model=smollm2_dir, port=vllm_servers.http_port(), cores="0", enforce_eager=True,
+                              dtype=model_dtype, args=list(FP8_ARGS), name=f"smollm2-{model_dtype}-fp8-colocated")
+        return vllm_servers.colocated_token_ids(spec, TAGGED, alongside=pair_specs)
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def servers(cls, vllm_servers: VllmServers, pair_specs: list[VllmServerSpec],
                 references: dict[str, list[int]]) -> Iterator[list[Service]]:
-        secret = new_secret()
-        yield from vllm_servers.serve(*(
-            vllm_servers.kvlink_spec(smollm2_dir, f"smollm2-{model_dtype}-fp8-block{block}", core, secret,
-                                     block_size=block, dtype=model_dtype, args=list(FP8_ARGS))
-            for block, core in ((32, "0"), (128, "1"))))
+        yield from vllm_servers.serve(*pair_specs)
 
     def test_both_servers_report_their_kernel_and_scales(self, servers: list[Service], model_dtype: str) -> None:
         kernel = "amx" if model_dtype == "bfloat16" and AMX else "vec"

@@ -74,7 +74,19 @@ Reference = tuple[list[int], list[int]]
 
 
 @pytest.fixture(scope="module")
-def references(vllm_servers: VllmServers, mla_dir: Path) -> dict[str, Reference]:
+def secret() -> str:
+    return new_secret()
+
+
+@pytest.fixture(scope="module")
+def pair_specs(vllm_servers: VllmServers, mla_dir: Path, secret: str) -> list[VllmServerSpec]:
+    return [vllm_servers.kvlink_spec(mla_dir, f"mla-{name}-block{block}", core, secret, block_size=block,
+                                     dtype=MODEL_DTYPE, args=BACKEND_ARGS, extra={"verify_kv": "full"})
+            for name, block, core in zip("abc"[:len(BLOCKS)], BLOCKS, ("0", "1", "1")[:len(BLOCKS)], strict=True)]
+
+
+@pytest.fixture(scope="module")
+def references(vllm_servers: VllmServers, mla_dir: Path, pair_specs: list[VllmServerSpec]) -> dict[str, Reference]:
     """Per prompt: (the P/D prompt, colocated vLLM's answer on D's compute path).
 
     D computes the last prompt token as a decode step over the loaded latents; colocated vLLM
@@ -84,7 +96,7 @@ def references(vllm_servers: VllmServers, mla_dir: Path) -> dict[str, Reference]
     (prefilled latents of the text, g0 decoded), token for token."""
     spec = VllmServerSpec(model=mla_dir, port=vllm_servers.http_port(), cores="0", enforce_eager=True,
                           dtype=MODEL_DTYPE, block_size=BLOCKS[0], name="mla-colocated", args=BACKEND_ARGS)
-    (server,) = vllm_servers.start(spec)
+    (server,) = vllm_servers.start(spec, alongside=pair_specs)
     try:
         model = served_model(server.url)
         refs = {}
@@ -101,17 +113,9 @@ def references(vllm_servers: VllmServers, mla_dir: Path) -> dict[str, Reference]
 
 
 @pytest.fixture(scope="module")
-def secret() -> str:
-    return new_secret()
-
-
-@pytest.fixture(scope="module")
-def servers(vllm_servers: VllmServers, mla_dir: Path, secret: str,
+def servers(vllm_servers: VllmServers, pair_specs: list[VllmServerSpec],
             references: dict[str, Reference]) -> Iterator[list[Service]]:
-    yield from vllm_servers.serve(*(
-        vllm_servers.kvlink_spec(mla_dir, f"mla-{name}-block{block}", core, secret, block_size=block,
-                                 dtype=MODEL_DTYPE, args=BACKEND_ARGS, extra={"verify_kv": "full"})
-        for name, block, core in zip("abc"[:len(BLOCKS)], BLOCKS, ("0", "1", "1")[:len(BLOCKS)], strict=True)))
+    yield from vllm_servers.serve(*pair_specs)
 
 
 def pair(servers: list[Service], case: str) -> tuple[Service, Service]:

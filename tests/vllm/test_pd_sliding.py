@@ -94,22 +94,28 @@ def gemma_dir() -> Path:
 
 
 @pytest.fixture(scope="module")
-def references(vllm_servers: VllmServers, gemma_dir: Path) -> dict[str, list[int]]:
-    spec = VllmServerSpec(model=gemma_dir, port=vllm_servers.http_port(), block_size=BLOCK, cores="0",
-                          enforce_eager=True, args=ARGS, name="swa-colocated")
-    return vllm_servers.colocated_token_ids(spec, tagged())
-
-
-@pytest.fixture(scope="module")
 def secret() -> str:
     return new_secret()
 
 
 @pytest.fixture(scope="module")
-def pair(vllm_servers: VllmServers, gemma_dir: Path, references: dict[str, list[int]], secret: str) -> Iterator[PdPair]:
-    for services in vllm_servers.serve(*(
-            vllm_servers.kvlink_spec(gemma_dir, f"swa-{name}", cores, secret, block_size=BLOCK, args=ARGS)
-            for name, cores in (("p", "0"), ("d", "1")))):
+def pair_specs(vllm_servers: VllmServers, gemma_dir: Path, secret: str) -> list[VllmServerSpec]:
+    return [vllm_servers.kvlink_spec(gemma_dir, f"swa-{name}", cores, secret, block_size=BLOCK, args=ARGS)
+            for name, cores in (("p", "0"), ("d", "1"))]
+
+
+@pytest.fixture(scope="module")
+def references(vllm_servers: VllmServers, gemma_dir: Path,
+               pair_specs: list[VllmServerSpec]) -> dict[str, list[int]]:
+    spec = VllmServerSpec(model=gemma_dir, port=vllm_servers.http_port(), block_size=BLOCK, cores="0",
+                          enforce_eager=True, args=ARGS, name="swa-colocated")
+    return vllm_servers.colocated_token_ids(spec, tagged(), alongside=pair_specs)
+
+
+@pytest.fixture(scope="module")
+def pair(vllm_servers: VllmServers, pair_specs: list[VllmServerSpec],
+         references: dict[str, list[int]]) -> Iterator[PdPair]:
+    for services in vllm_servers.serve(*pair_specs):
         p, d = services
         yield PdPair(p, d, served_model(p.url))
 

@@ -53,20 +53,26 @@ def mistral_dir() -> Path:
 
 
 @pytest.fixture(scope="module")
-def references(vllm_servers: VllmServers, mistral_dir: Path) -> dict[str, list[int]]:
-    spec = VllmServerSpec(model=mistral_dir, port=vllm_servers.http_port(), block_size=BLOCK, cores="0",
-                          enforce_eager=True, args=ARGS, name="uniform-colocated")
-    return vllm_servers.colocated_token_ids(spec, tagged())
-
-
-@pytest.fixture(scope="module")
-def pair(vllm_servers: VllmServers, mistral_dir: Path, references: dict[str, list[int]]) -> Iterator[tuple[PdPair, Any]]:
+def pair_specs(vllm_servers: VllmServers, mistral_dir: Path) -> list[VllmServerSpec]:
     """P and D of 32-token blocks, and a third server of 64-token blocks for the pairs between
     block sizes."""
     secret = new_secret()
-    for services in vllm_servers.serve(*(
-            vllm_servers.kvlink_spec(mistral_dir, f"uniform-{name}", cores, secret, block_size=block, args=ARGS)
-            for name, cores, block in (("p", "0", BLOCK), ("d", "1", BLOCK), ("64", "1", 2 * BLOCK)))):
+    return [vllm_servers.kvlink_spec(mistral_dir, f"uniform-{name}", cores, secret, block_size=block, args=ARGS)
+            for name, cores, block in (("p", "0", BLOCK), ("d", "1", BLOCK), ("64", "1", 2 * BLOCK))]
+
+
+@pytest.fixture(scope="module")
+def references(vllm_servers: VllmServers, mistral_dir: Path,
+               pair_specs: list[VllmServerSpec]) -> dict[str, list[int]]:
+    spec = VllmServerSpec(model=mistral_dir, port=vllm_servers.http_port(), block_size=BLOCK, cores="0",
+                          enforce_eager=True, args=ARGS, name="uniform-colocated")
+    return vllm_servers.colocated_token_ids(spec, tagged(), alongside=pair_specs)
+
+
+@pytest.fixture(scope="module")
+def pair(vllm_servers: VllmServers, pair_specs: list[VllmServerSpec],
+         references: dict[str, list[int]]) -> Iterator[tuple[PdPair, Any]]:
+    for services in vllm_servers.serve(*pair_specs):
         p, d, big = services
         yield PdPair(p, d, served_model(p.url)), big
 

@@ -45,10 +45,22 @@ def tiny_dir() -> Path:
 
 
 @pytest.fixture(scope="module")
-def references(vllm_servers: VllmServers, tiny_dir: Path) -> dict[str, str]:
+def pair_specs(vllm_servers: VllmServers, tiny_dir: Path) -> list[VllmServerSpec]:
+    secret = new_secret()
+
+    def spec(name: str, tp: int, cores: str) -> VllmServerSpec:
+        return VllmServerSpec(model=tiny_dir, port=vllm_servers.http_port(), cores=cores, tensor_parallel_size=tp,
+                              kv_transfer_config=kvlink_transfer_config(vllm_servers.side_channel_port() + 10 * tp),
+                              enforce_eager=True, env={"KVLINK_SECRET": secret}, name=f"tiny-llama-{name}")
+
+    return [spec("tp2", 2, "0|1"), spec("tp1", 1, "1")]
+
+
+@pytest.fixture(scope="module")
+def references(vllm_servers: VllmServers, tiny_dir: Path, pair_specs: list[VllmServerSpec]) -> dict[str, str]:
     spec = VllmServerSpec(model=tiny_dir, port=vllm_servers.http_port(), cores="0", enforce_eager=True,
                           name="tiny-llama-colocated")
-    (server,) = vllm_servers.start(spec)
+    (server,) = vllm_servers.start(spec, alongside=pair_specs)
     try:
         model = served_model(server.url)
         answers = {}
@@ -63,15 +75,9 @@ def references(vllm_servers: VllmServers, tiny_dir: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def tp_pair(vllm_servers: VllmServers, tiny_dir: Path, references: dict[str, str]) -> Iterator[tuple[Service, Service]]:
-    secret = new_secret()
-
-    def spec(name: str, tp: int, cores: str) -> VllmServerSpec:
-        return VllmServerSpec(model=tiny_dir, port=vllm_servers.http_port(), cores=cores, tensor_parallel_size=tp,
-                              kv_transfer_config=kvlink_transfer_config(vllm_servers.side_channel_port() + 10 * tp),
-                              enforce_eager=True, env={"KVLINK_SECRET": secret}, name=f"tiny-llama-{name}")
-
-    tp2, tp1 = vllm_servers.start(spec("tp2", 2, "0|1"), spec("tp1", 1, "1"))
+def tp_pair(vllm_servers: VllmServers, pair_specs: list[VllmServerSpec],
+            references: dict[str, str]) -> Iterator[tuple[Service, Service]]:
+    tp2, tp1 = vllm_servers.start(*pair_specs)
     yield tp2, tp1
     vllm_servers.stop(tp2, tp1)
 
