@@ -49,7 +49,7 @@ class VllmServers:
         self.running: list[Service] = []
         self._http = itertools.cycle(HTTP_PORTS)
         self._side = itertools.cycle(SIDE_CHANNEL_PORTS)
-        self._pending: dict[str, tuple[VllmServerSpec, Service]] = {}  # started alongside, unclaimed
+        self._pending: list[tuple[VllmServerSpec, Service]] = []  # started alongside, unclaimed
 
     def http_port(self) -> int:
         return next(self._http)
@@ -63,34 +63,33 @@ class VllmServers:
         time but not waited for; the next `start` of an equal spec takes the running one (a
         module's P/D servers come up while its colocated reference answers). An alongside
         server that the next `start` does not ask for is stopped then."""
-        claimed: dict[int, Service] = {}
-        for i, spec in enumerate(specs):
-            for key, (pending_spec, service) in list(self._pending.items()):
-                if pending_spec == spec:
-                    claimed[i] = service
-                    del self._pending[key]
-                    break
-        if self._pending:
-            self.stop(*(service for _, service in self._pending.values()))
-            self._pending = {}
-        fresh = [in_one_process(spec) for i, spec in enumerate(specs) if i not in claimed]
-        later = [in_one_process(spec) for spec in alongside]
+        pending, self._pending = self._pending, []
+        claimed: list[Service | None] = []
+        for spec in specs:
+            match = next((item for item in pending if item[0] == spec), None)
+            if match is not None:
+                pending.remove(match)
+            claimed.append(match[1] if match else None)
+        if pending:
+            self.stop(*(service for _, service in pending))
+        fresh = [in_one_process(spec) for spec, had in zip(specs, claimed, strict=True) if had is None]
+        asked = list(alongside)
+        later = [in_one_process(spec) for spec in asked]
         alive = [s for s in self.running if s.proc.poll() is None]
         if len(alive) + len(fresh) + len(later) > MAX_SERVERS:
             raise RuntimeError(f"{len(alive)} vLLM servers running ({', '.join(s.name for s in alive)}), "
                                f"{len(fresh) + len(later)} more would pass the limit of {MAX_SERVERS}; "
                                "stop some first")
-        started = [start_server(spec, self.log_dir) for spec in fresh]
-        extra = [start_server(spec, self.log_dir) for spec in later]
-        self.running += started + extra
-        self._pending = {spec.label: (spec, service) for spec, service in zip(later, extra, strict=True)}
-        it = iter(started)
-        services = [claimed[i] if i in claimed else next(it) for i in range(len(specs))]
+        started = [start_server(spec, self.log_dir) for spec in fresh + later]
+        self.running += started
+        new = iter(started)
+        services = [had if had is not None else next(new) for had in claimed]
+        self._pending = list(zip(asked, new, strict=True))  # as asked: the next start compares specs
         try:
             wait_ready(services, timeout_s)
         except BaseException:
-            self.stop(*started, *extra, *claimed.values())
-            self._pending = {}
+            self.stop(*services, *(service for _, service in self._pending))
+            self._pending = []
             raise
         return services
 
