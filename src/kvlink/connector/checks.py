@@ -6,6 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+import numpy.typing as npt
+
 from kvlink.plan.verify import VerifySpec
 from kvlink.transfer.xfer import Transfer
 
@@ -28,7 +31,7 @@ class LoadCheck:
     """A load's check across its source ranks."""
 
     sources: list[SourceCheck]
-    seeds: list[int]
+    seeds: npt.NDArray[np.uint64]  # `block_seeds` of the request
     deadline: float
     reread_at: float | None = None
     rereads: int = 0

@@ -78,6 +78,14 @@ class DigestSlots:
         self.device_id = device_id
         agent.register_regions([(self.base, nbytes)])
         self._free: deque[int] = deque(range(slots))
+        # `slices` gathers a landed slice as one padded row: column k of group g's slice is
+        # entry `group_offsets[g] + k` of its row while k < 1 + group_units[g], else 0.
+        width = 1 + max(layout.group_units, default=0)
+        k = np.arange(width, dtype=np.int64)
+        sizes = 1 + np.array(layout.group_units, dtype=np.int64)
+        self._valid = k[None, :] < sizes[:, None]
+        self._padded = not bool(self._valid.all())
+        self._cols = np.where(self._valid, np.array(layout.group_offsets, dtype=np.int64)[:, None] + k, 0)
 
     def descs(self) -> DescArray:
         """Local descriptors, id `group * slots + slot`, paired in length with `table_descs`."""
@@ -104,13 +112,11 @@ class DigestSlots:
 
     def slices(self, groups: IntArray, slots: Sequence[int]) -> npt.NDArray[np.uint64]:
         """The slices that landed, one per (group, slot) pair, padded to one width."""
-        width = 1 + max(self.layout.group_units, default=0)
-        out = np.zeros((len(slots), width), dtype=np.uint64)
-        rows = np.asarray(slots, dtype=np.int64)
-        for group in np.unique(groups).tolist():
-            mine = np.flatnonzero(groups == group)
-            start, n = self.layout.group_offsets[group], 1 + self.layout.group_units[group]
-            out[mine, :n] = self.rows[rows[mine], start:start + n]
+        if not len(slots):
+            return np.zeros((0, self._cols.shape[1]), dtype=np.uint64)
+        out: npt.NDArray[np.uint64] = self.rows[np.asarray(slots, dtype=np.int64)[:, None], self._cols[groups]]
+        if self._padded:
+            out[~self._valid[groups]] = 0
         return out
 
 

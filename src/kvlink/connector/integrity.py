@@ -153,31 +153,32 @@ def _unit_pieces(starts: npt.NDArray[np.int64], units: npt.NDArray[np.int64]
     return index, bounds
 
 
-def check(spec: VerifySpec, slices: npt.NDArray[np.uint64], seeds: Sequence[int], memory: Memory) -> CheckResult:
+def check(spec: VerifySpec, slices: npt.NDArray[np.uint64], seeds: Sequence[int] | npt.NDArray[np.uint64],
+          memory: Memory) -> CheckResult:
     """Compare the digest slices read from P (`slices[i]`: slice i of `spec`, entry 0 the seed)
     with digests of our own copies of the units."""
     result = CheckResult()
     expected_seed = np.asarray(seeds, dtype=np.uint64)[spec.slice_index]
+    unit_slice, unit_slot = spec.unit_slice, spec.unit_slot
     unsealed = np.flatnonzero(slices[:, 0] != expected_seed)
     if unsealed.size:
         result.unsealed = [(int(spec.slice_group[i]), int(spec.slice_index[i])) for i in unsealed]
-        units = np.flatnonzero(~np.isin(spec.unit_slice, unsealed))
+        units = np.flatnonzero(~np.isin(unit_slice, unsealed))
         if not units.size:
             return result
         pieces, bounds = _unit_pieces(spec.piece_starts, units)
         addrs, lengths = spec.piece_addr[pieces], spec.piece_len[pieces]
+        unit_slice, unit_slot = unit_slice[units], unit_slot[units]
     else:  # the usual case: every unit of the spec, its pieces as they are
-        units, bounds = np.arange(spec.unit_slice.size, dtype=np.int64), spec.piece_starts
-        addrs, lengths = spec.piece_addr, spec.piece_len
-        if not units.size:
+        if not unit_slice.size:
             return result
-    unit_slice = spec.unit_slice[units]
+        bounds, addrs, lengths = spec.piece_starts, spec.piece_addr, spec.piece_len
     got = np.array(digests(memory, addrs, lengths, bounds, expected_seed[unit_slice].tolist()), dtype=np.uint64)
-    want = slices[unit_slice, spec.unit_slot[units]]
-    result.units = int(units.size)
+    want = slices[unit_slice, unit_slot]
+    result.units = int(unit_slice.size)
     result.hashed_bytes = int(lengths.sum())
     for k in np.flatnonzero(got != want).tolist():
         s = int(unit_slice[k])
         result.mismatches.append((int(spec.slice_group[s]), int(spec.slice_index[s]),
-                                  int(spec.unit_slot[units[k]]) - 1, int(want[k]), int(got[k])))
+                                  int(unit_slot[k]) - 1, int(want[k]), int(got[k])))
     return result

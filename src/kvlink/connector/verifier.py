@@ -95,7 +95,7 @@ class Verifier:
                 raise NoDigestSlots(f"no free digest slots for {entry['request_id']}")
             src.slots = _slot_of(src.spec, rows)
         geometry = next(iter(engine.geometries.values()))
-        seeds = block_seeds(entry["token_ids"], geometry.block_size, num_tokens)
+        seeds = np.array(block_seeds(entry["token_ids"], geometry.block_size, num_tokens), dtype=np.uint64)
         unverifiable = sum(s.spec.unverifiable for s in sources)
         if unverifiable:
             self.stats.count("kv_unverifiable_units_total", unverifiable)

@@ -22,6 +22,7 @@ Pure: numbers and numpy arrays only; computing digests over memory is `connector
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import numpy.typing as npt
@@ -141,6 +142,14 @@ class GroupPages:
     ssm_offsets: IntArray  # [unit, layer] from the page start (SSM)
     ssm_lengths: IntArray
 
+    @cached_property
+    def all_prefix(self) -> bool:
+        return bool(self.prefix.size) and bool(self.prefix.all())
+
+    @cached_property
+    def any_prefix(self) -> bool:
+        return bool(self.prefix.any())
+
 
 @dataclass(frozen=True, eq=False)
 class DigestGeometry:
@@ -187,7 +196,7 @@ def unit_ranges(dg: DigestGeometry, group: int, blocks: npt.ArrayLike, block_ind
     g = pages_of
     per_block = g.units_per_block
     if units is None:
-        unit = np.tile(np.arange(per_block, dtype=np.int64), block_ids.size)
+        unit = np.arange(block_ids.size * per_block, dtype=np.int64) % max(per_block, 1)
         block_ids, indices = np.repeat(block_ids, per_block), np.repeat(indices, per_block)
     else:
         unit = np.asarray(units, dtype=np.int64).reshape(-1)
@@ -197,14 +206,19 @@ def unit_ranges(dg: DigestGeometry, group: int, blocks: npt.ArrayLike, block_ind
         return UnitRanges(addrs.reshape(-1), g.ssm_lengths[unit].reshape(-1), layers, per_block)
     geometry = dg.geometry
     kbs = geometry.kernel_block_size
-    page_in_block, head = unit // g.heads, unit % g.heads
-    page_tokens = np.clip(num_tokens - indices * geometry.block_size - page_in_block * kbs, 0, kbs)
+    page_in_block, head = np.divmod(unit, g.heads)
+    # np.minimum/np.maximum: np.clip's own overhead is several times theirs on arrays this small
+    page_tokens = np.minimum(np.maximum(num_tokens - indices * geometry.block_size - page_in_block * kbs, 0), kbs)
     pages = block_ids * geometry.physical_per_logical + page_in_block
     # [unit, layer]
-    addrs = g.bases[None, :] + pages[:, None] * g.strides[None, :] + head[:, None] * g.unit_bytes[None, :]
+    addrs = g.bases + pages[:, None] * g.strides + head[:, None] * g.unit_bytes
     shipped = page_tokens[:, None]
-    lengths = np.where(g.prefix[None, :], shipped * g.token_bytes[None, :], g.unit_bytes[None, :])
-    lengths = np.where(shipped > 0, lengths, 0)
+    if g.all_prefix:  # a page with no shipped token gets length 0 either way
+        lengths = shipped * g.token_bytes
+    elif not g.any_prefix:
+        lengths = (shipped > 0) * g.unit_bytes
+    else:
+        lengths = np.where(shipped > 0, np.where(g.prefix, shipped * g.token_bytes, g.unit_bytes), 0)
     return UnitRanges(addrs.reshape(-1), lengths.reshape(-1), layers, per_block)
 
 

@@ -104,10 +104,12 @@ def _eligible(dg: DigestGeometry, group: int, ids: IntArray, num_tokens: int, fi
     """Indices of the group's shipped blocks the reader reads from (a D prefix hit or a window
     start skips whole blocks before `first_token`)."""
     geometry = dg.geometry
-    indices = np.asarray(shipped_blocks(geometry, group, num_tokens, ids.size), dtype=np.int64)
+    shipped = shipped_blocks(geometry, group, num_tokens, ids.size)
+    start = shipped.start
     pages = dg.groups[group]
     if pages is not None and not pages.ssm:
-        indices = indices[indices >= first_token // geometry.block_size]
+        start = max(start, first_token // geometry.block_size)
+    indices = np.arange(start, max(start, shipped.stop), dtype=np.int64)
     return indices[ids[indices] >= 0]
 
 
@@ -222,44 +224,61 @@ def _sampled(dg: DigestGeometry, blocks: list[_Eligible], located: tuple[IntArra
              num_tokens: int, rng: np.random.Generator, count: int) -> list[_Held] | None:
     """`count` held units out of a few random candidates, each range inside one read
     descriptor; None when too few candidates are (a reader of a few heads, token chunks over
-    several descriptors): the caller then locates every unit and picks from those."""
+    several descriptors): the caller then locates every unit and picks from those.
+
+    Runs once per request on D's critical path, so it keeps to few numpy calls: candidates
+    are drawn in random order and the first `count` held ones are kept."""
     sizes = [b.indices.size * b.per_block for b in blocks]
     total = sum(sizes)
     if total == 0:
         return []
-    drawn = np.sort(rng.choice(total, size=min(total, 4 * count), replace=False))
     remote_start, remote_len, local_start = located
     if not remote_start.size:
         return None
-    found: list[tuple[_Eligible, IntArray, IntArray, IntArray, IntArray, IntArray, int]] = []
-    held_total, at = 0, 0
+    want = min(count, total)
+    draws = min(total, 4 * count)
+    # random order; a short permutation costs about half of `choice` (more so with cold caches)
+    drawn = rng.permutation(total)[:draws] if total <= 4096 else rng.choice(total, size=draws, replace=False)
+    several = len(blocks) > 1
+    found = []
+    at = 0
     for block, size in zip(blocks, sizes, strict=True):
-        mine = drawn[(drawn >= at) & (drawn < at + size)] - at
+        order = np.flatnonzero((drawn >= at) & (drawn < at + size)) if several else None
+        mine = drawn[order] - at if order is not None else drawn
         at += size
         if not mine.size:
             continue
-        index, unit = mine // block.per_block, mine % block.per_block
+        index, unit = np.divmod(mine, block.per_block)
         indices = block.indices[index]
         ranges = unit_ranges(dg, block.group, block.ids[indices], indices, num_tokens, unit)
         addrs, lengths, per = ranges.addrs, ranges.lengths, ranges.per_unit
-        j = np.maximum(np.searchsorted(remote_start, addrs, side="right") - 1, 0)
-        whole = (remote_start[j] <= addrs) & (remote_start[j] + remote_len[j] >= addrs + lengths)
-        held = np.flatnonzero((lengths[::per] > 0) & whole.reshape(-1, per).all(axis=1))
-        held_total += held.size
-        found.append((block, held, indices, unit, local_start[j] + addrs - remote_start[j], lengths, per))
-    if held_total < min(count, total):
-        return None
-    keep = np.sort(rng.permutation(held_total)[:count])
-    out, at = [], 0
-    for block, held, indices, unit, local, lengths, per in found:
-        mine = keep[(keep >= at) & (keep < at + held.size)] - at
-        at += held.size
-        if not mine.size:
+        # j = -1 (below every descriptor) wraps to the last one, whose start lies above addr
+        j = np.searchsorted(remote_start, addrs, side="right") - 1
+        start = remote_start[j]
+        whole = (start <= addrs) & (start + remote_len[j] >= addrs + lengths)
+        held = np.flatnonzero(whole.reshape(-1, per).all(axis=1) & (lengths[::per] > 0))
+        # where in the draw each held candidate came
+        found.append((block, held, order[held] if order is not None else held, mine, indices, unit, addrs,
+                      lengths, j, per))
+    if not several:
+        if not found or found[0][1].size < want:
+            return None
+        cutoff = found[0][2][want - 1]  # held is ascending: its first `want`
+    else:
+        ranks = np.sort(np.concatenate([f[2] for f in found])) if found else np.zeros(0, np.int64)
+        if ranks.size < want:
+            return None
+        cutoff = ranks[want - 1]
+    out = []
+    for block, held, rank, mine, indices, unit, addrs, lengths, j, per in found:
+        pos = held[rank <= cutoff]
+        if not pos.size:
             continue
-        chosen = held[mine]  # candidate positions, in slice order (candidates were drawn sorted)
-        rows = (chosen[:, None] * per + np.arange(per, dtype=np.int64)[None, :]).reshape(-1)
-        out.append(_Held(block.group, indices[chosen], unit[chosen], np.full(chosen.size, per, dtype=np.int64),
-                         local[rows], lengths[rows]))
+        pos = pos[np.argsort(mine[pos])]  # slice order
+        rows = (pos[:, None] * per + np.arange(per, dtype=np.int64)).reshape(-1)
+        picked = j[rows]
+        out.append(_Held(block.group, indices[pos], unit[pos], np.full(pos.size, per, dtype=np.int64),
+                         local_start[picked] + addrs[rows] - remote_start[picked], lengths[rows]))
     return out
 
 
@@ -274,6 +293,13 @@ def _pick(found: list[_Found], rng: np.random.Generator, count: int) -> list[_He
         if mine.size:
             out.append(f.take(f.held[mine]))
     return out
+
+
+def _starts(counts: IntArray) -> IntArray:
+    """Where each unit's pieces start, and the end: [0, c0, c0 + c1, ...]."""
+    starts = np.zeros(counts.size + 1, dtype=np.int64)
+    np.cumsum(counts, out=starts[1:])
+    return starts
 
 
 def _spec(src_rank: int, dg: DigestGeometry, blocks: list[_Eligible], held: list[_Held], num_tokens: int,
@@ -291,6 +317,8 @@ def _spec(src_rank: int, dg: DigestGeometry, blocks: list[_Eligible], held: list
         at += block.indices.size
 
     def joined(parts: list[IntArray]) -> IntArray:
+        if len(parts) == 1:
+            return parts[0].astype(np.int64, copy=False)
         return np.concatenate(parts).astype(np.int64) if parts else _EMPTY
 
     unit_slice = []
@@ -301,7 +329,7 @@ def _spec(src_rank: int, dg: DigestGeometry, blocks: list[_Eligible], held: list
     return VerifySpec(
         src_rank, dg.layout, joined(groups), joined(seeds), joined(ids),
         joined(unit_slice), joined([1 + h.unit for h in held]),
-        np.concatenate(([0], np.cumsum(counts))).astype(np.int64),
+        _starts(counts),
         joined([h.addr for h in held]), joined([h.length for h in held]),
         unverifiable,
     )
