@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,20 @@ def test_a_cell_starts_with_only_its_own_servers_running(monkeypatch: pytest.Mon
     assert stopped == [] and len(pool.running) == 2
     pool.keep_only("nixl", FAMILIES[second.family], second)
     assert sorted(stopped) == ["first-D", "first-P"] and pool.running == {}
+
+
+def test_a_server_up_but_silent_is_a_hang_not_a_crash_of_the_run(monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Path) -> None:
+    """Seen with two TP 2 servers on two cores: /health said up, /v1/models then timed out; the
+    cell is a hang and the run goes on to the next cell."""
+    import httpx
+
+    def silent(url: str) -> str:
+        raise httpx.ReadTimeout("timed out")
+
+    monkeypatch.setattr(vllm_matrix, "served_model", silent)
+    server = types.SimpleNamespace(url="http://127.0.0.1:9")
+    result = vllm_matrix.run_pd(MatrixConfig(log_dir=tmp_path), "nixl", CELLS[0], server, server,  # type: ignore[arg-type]
+                                ["a prompt"], {})
+    assert result["answers"] == [] and result["stopped"].startswith("hang")
+    assert summarize(result, 1).startswith("hang: D did not list its model")

@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from kvlink.bench.vllm_config import reference_prompts
 from kvlink.bench.vllm_measure import METRIC_PREFIX, kv_bytes_total
 from kvlink.bench.vllm_servers import _pythonpath, complete
@@ -288,7 +290,10 @@ def run_pd(config: MatrixConfig, connector: str, cell: Cell, p: Service, d: Serv
            references: dict[str, list[str | None]]) -> dict[str, Any]:
     """Every prompt P -> D; each answer sorted against colocated vLLM at D's flags (and
     compared with the other references too)."""
-    model = served_model(d.url)
+    try:
+        model = served_model(d.url)
+    except httpx.HTTPError as error:  # up by /health, yet not answering: counted as a hang
+        return {"answers": [], "stopped": f"hang: D did not list its model after its start ({type(error).__name__})"}
     tag = uuid.uuid4().hex[:8]
     prefix = METRIC_PREFIX[connector]
     answers: list[dict[str, Any]] = []
