@@ -122,3 +122,34 @@ def test_gdn_layerwise_over_a_chunked_prefill_equals_colocated(gdn_pair: list[Se
     # 705 tokens take 11 forwards: the blocks they complete go out as they do, before `pushed`
     assert writes[-1] > 1, f"P wrote the longest prompt in {writes[-1]} WRITEs: not streamed"
 
+
+
+STAGED = "vllm:kvlink_staged_loads_total"
+WIDE_BLOCK = 1280  # vLLM keeps a --block-size above the one it sizes for the GDN page (640 here)
+
+
+@pytest.fixture(scope="class")
+def gdn_wide(vllm_servers: VllmServers, gdn_dir: Path, gdn_pair: list[Service]) -> Iterator[Service]:
+    """A server of 1280-token blocks (the pair's are vLLM's 640), in the pair's secret."""
+    for (server,) in vllm_servers.serve(vllm_servers.kvlink_spec(
+            gdn_dir, "gdn-wide", "0", GDN_SECRET, dtype="bfloat16", args=GDN_ARGS, block_size=WIDE_BLOCK)):
+        yield server
+
+
+class TestBetweenBlockSizes:
+    """P and D of different block sizes: D reads whole P pages of the attention layer into its
+    staging pages and each GDN layer's state page (conv and recurrent state, padded to the
+    attention page) whole, then copies the tokens into its blocks and the state into its own
+    state block, whose padding differs."""
+
+    # every prompt pulled; the longest (two P blocks of 640) also pushed, which D runs as a staged pull
+    @pytest.mark.parametrize("index,mode", [(0, "pull"), (1, "pull"), (2, "pull"), (2, "push")])
+    @pytest.mark.parametrize("direction", ["640->1280", "1280->640"])
+    def test_pd_equals_colocated(self, gdn_pair: list[Service], gdn_wide: Service, references: list[list[int]],
+                                 mode: str, direction: str, index: int) -> None:
+        p, d = (gdn_pair[0], gdn_wide) if direction == "640->1280" else (gdn_wide, gdn_pair[1])
+        assert f"blocks of {WIDE_BLOCK} tokens" in gdn_wide.log_path.read_text(errors="replace")  # vLLM kept it
+        staged = metric(d.url, STAGED)
+        prompt: Any = PROMPTS[index]
+        assert load_through(p, d, served_model(p.url), prompt, mode, groups=4) == references[index]
+        assert wait_metric(d.url, STAGED, staged) > staged  # through D's staging pages (a push as a staged pull)

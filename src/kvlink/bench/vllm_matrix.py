@@ -106,6 +106,9 @@ FAMILIES: dict[str, MatrixFamily] = {f.name: f for f in (
                  "tiny GraniteMoeHybrid (Mamba2 + attention), fp32"),
     MatrixFamily("gdn-tp", "tiny_qwen3_next_tp_dir", "bfloat16", ("--no-enable-prefix-caching",),
                  "tiny Qwen3-Next-like (GDN + attention), bf16, 2 GDN key heads"),
+    # vLLM sizes this model's block itself (640) and keeps a larger --block-size.
+    MatrixFamily("gdn", "tiny_qwen3_next_dir", "bfloat16", ("--no-enable-prefix-caching",),
+                 "tiny Qwen3-Next-like (GDN + attention), bf16"),
 )}
 
 _TP2, _TP1 = Side(tp=2), Side()
@@ -131,6 +134,8 @@ CELLS: tuple[Cell, ...] = (
     Cell("hybrid", "P TP 2 -> D TP 2", _TP2, _TP2),
     Cell("gdn-tp", "P TP 2 -> D TP 2", _TP2, _TP2),
     Cell("gdn-tp", "P TP 2 -> D TP 1", _TP2, _TP1),
+    Cell("gdn", "P 640 -> D 1280", Side(block=640), Side(block=1280)),
+    Cell("gdn", "P 1280 -> D 640", Side(block=1280), Side(block=640)),
 )
 
 
