@@ -260,15 +260,13 @@ def _sampled(dg: DigestGeometry, blocks: list[_Eligible], located: tuple[IntArra
         # where in the draw each held candidate came
         found.append((block, held, order[held] if order is not None else held, mine, indices, unit, addrs,
                       lengths, j, per))
-    if not several:
-        if not found or found[0][1].size < want:
-            return None
-        cutoff = found[0][2][want - 1]  # held is ascending: its first `want`
-    else:
-        ranks = np.sort(np.concatenate([f[2] for f in found])) if found else np.zeros(0, np.int64)
-        if ranks.size < want:
-            return None
-        cutoff = ranks[want - 1]
+    if not found:
+        return None
+    # one group's held positions are its draw ranks already, ascending
+    ranks = found[0][2] if len(found) == 1 else np.sort(np.concatenate([f[2] for f in found]))
+    if ranks.size < want:
+        return None
+    cutoff = ranks[want - 1]
     out = []
     for block, held, rank, mine, indices, unit, addrs, lengths, j, per in found:
         pos = held[rank <= cutoff]
