@@ -8,6 +8,7 @@ import sys
 import types
 from pathlib import Path
 
+import httpx
 import pytest
 
 from kvlink.bench import vllm_matrix
@@ -105,8 +106,6 @@ def test_a_server_up_but_silent_is_a_hang_not_a_crash_of_the_run(monkeypatch: py
                                                                    tmp_path: Path) -> None:
     """Seen with two TP 2 servers on two cores: /health said up, /v1/models then timed out; the
     cell is a hang and the run goes on to the next cell."""
-    import httpx
-
     def silent(url: str) -> str:
         raise httpx.ReadTimeout("timed out")
 

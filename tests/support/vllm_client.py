@@ -12,6 +12,7 @@ import httpx
 
 KV_BYTES = "vllm:kvlink_bytes_transferred_sum"
 KV_LOADS = "vllm:kvlink_bytes_transferred_count"
+STAGED = "vllm:kvlink_staged_loads_total"  # loads D ran through its staging pages
 
 
 def complete(url: str, model: str, prompt: str, max_tokens: int = 16, **extra: Any) -> httpx.Response:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 from layerwise_client import layerwise_answers
-from vllm_client import load_through, metric, wait_metric
+from vllm_client import STAGED, load_through, metric, wait_metric
 
 from kvlink.connector.secret import new_secret
 from kvlink.integrations.vllm.launch import VllmServerSpec, served_model
@@ -123,8 +123,6 @@ def test_gdn_layerwise_over_a_chunked_prefill_equals_colocated(gdn_pair: list[Se
     assert writes[-1] > 1, f"P wrote the longest prompt in {writes[-1]} WRITEs: not streamed"
 
 
-
-STAGED = "vllm:kvlink_staged_loads_total"
 WIDE_BLOCK = 1280  # vLLM keeps a --block-size above the one it sizes for the GDN page (640 here)
 
 

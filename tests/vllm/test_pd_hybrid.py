@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 from layerwise_client import layerwise_answers
-from vllm_client import complete, load_through, metric, token_ids, wait_metric
+from vllm_client import STAGED, complete, load_through, metric, token_ids, wait_metric
 
 from kvlink.connector.secret import new_secret
 from kvlink.integrations.vllm.launch import VllmServerSpec, served_model
@@ -43,7 +43,6 @@ PROMPTS = ["The last keeper of the lighthouse was",
 TP_DIRECTIONS = ("2->1", "1->2")
 CONV_DIRECTIONS = ("DS2->SD1", "SD1->DS2", "DS2->SD2", "SD2->DS2")
 BLOCK_DIRECTIONS = ("64->128", "128->64")  # vLLM's default block for this model is 128; 64 is the least it takes
-STAGED = "vllm:kvlink_staged_loads_total"
 
 
 def tagged() -> list[str]:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 from layerwise_client import layerwise_answers, writes_during_prefill
-from vllm_client import PdPair, complete, metric, token_ids, wait_metric
+from vllm_client import STAGED, PdPair, complete, metric, token_ids, wait_metric
 
 from kvlink.connector.secret import new_secret
 from kvlink.integrations.vllm.launch import VllmServerSpec, served_model
@@ -38,7 +38,6 @@ WINDOW = TINY_SLIDING_WINDOW
 LOCAL_LAYERS, GLOBAL_LAYERS = 3, 1
 PAGE_BYTES = BLOCK * 1 * 2 * 64 * 4  # one layer's block: 32 tokens, 1 KV head, K and V of 64, fp32
 VERIFIED = "vllm:kvlink_kv_verified_units_total"
-STAGED = "vllm:kvlink_staged_loads_total"
 PROMPTS = ["The last keeper of the lighthouse was",
            " ".join(f"Line {i}: the tide came in over the rocks." for i in range(14)),
            " ".join(f"Entry {i} of the keeper's log mentions a storm." for i in range(30))]
@@ -168,7 +167,6 @@ def test_d_prefix_hit_moves_only_the_missing_part(pair: PdPair, references: dict
     assert hit > 0 and hit % BLOCK == 0
     assert nbytes == expected_bytes(pair.tokens(EXTENDED), hit)
     assert 0 < nbytes < expected_bytes(pair.tokens(EXTENDED))
-
 
 
 @pytest.fixture(scope="class")

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from vllm_client import PdPair, metric, wait_metric
+from vllm_client import STAGED, PdPair, metric, wait_metric
 
 from kvlink.connector.secret import new_secret
 from kvlink.integrations.vllm.launch import VllmServerSpec, served_model
@@ -35,7 +35,6 @@ PROMPTS = ["A recipe for bread:",
 
 
 DIRECTIONS = ("32->64", "64->32")
-STAGED = "vllm:kvlink_staged_loads_total"
 
 
 def tagged() -> list[str]:
