@@ -1,6 +1,8 @@
 """D's cost of `verify_kv` per request, step by step: one P and one D connector worker in one
 process over real NIXL, D's load timed from `start_load_kv` to the load reported finished,
-with the time D spends preparing its check (before the READ), in the READ, and judging (after).
+with the time D's own thread spends on its check: reserving digest slots (before the KV READ),
+taking the check its helper thread planned during the READ, reading the digest slices, and
+judging.
 
     UCX_NET_DEVICES=lo .venv/bin/python scripts/verify_cost.py sample --tokens 512 --layout fragmented
 
@@ -63,8 +65,11 @@ def main() -> None:
         p.register_kv_caches(*region_sizes(p_mem))
         d.register_kv_caches(*region_sizes(d_mem))
         assert d.agent is not None
-        d.agent.post = timed(times, "READ (post)", d.agent.post)  # type: ignore[method-assign]
-        for name, key in (("prepare", "D prepares"), ("judge", "D judges")):
+        post_kv = timed(times, "READ of the KV (post)", d.agent.post)
+        post_digests = timed(times, "READ of the digest slices (post)", d.agent.post)
+        d.agent.post = lambda *a, **k: (post_digests if isinstance(k.get("tag"), tuple) else post_kv)(*a, **k)  # type: ignore[method-assign]
+        for name, key in (("reserve", "D reserves digest slots"), ("claim", "D takes the planned check"),
+                          ("judge", "D judges")):
             setattr(verifier.Verifier, name, timed(times, key, getattr(verifier.Verifier, name)))
         blocks = -(-(tokens + 1) // block)
         rng = np.random.default_rng(0)

@@ -271,3 +271,52 @@ def test_one_d_checks_loads_from_ps_whose_digest_tables_differ_in_rows() -> None
         d.shutdown()
         for p in ps:
             p.shutdown()
+
+
+def test_a_check_that_cannot_be_planned_fails_its_load_and_every_digest_slot_comes_back() -> None:
+    """The check is planned on the verifier's helper thread while the KV READ runs. If the
+    planner raises (a bug, or params it cannot use), the load fails with that reason after
+    its READ, and never runs unchecked. The slot rows it reserved go back, and the next load
+    is checked as usual (and P frees its blocks)."""
+    model = TINY_HYBRID
+    n = 40
+    with worker_pair("sample") as (p_mem, p, d):
+        logical = sim.make_logical(model, n, np.random.default_rng(5))
+        prompt = list(range(200, 200 + n))
+        assert d.pull is not None and d.digest_slots is not None
+        real_plan = d.pull.verifier.plan
+
+        def plan(engine, entry, specs):  # type: ignore[no-untyped-def]
+            if entry["request_id"] == "d0":
+                raise ValueError("cannot locate a unit")
+            return real_plan(engine, entry, specs)
+
+        d.pull.verifier.plan = plan  # type: ignore[method-assign]
+        for i, (p_ids, d_ids) in enumerate([([[5, 9, 2], [7]], [[1, 3, 30], [4]]),
+                                            ([[10, 11, 12], [13]], [[14, 15, 16], [17]])]):
+            sim.store(p_mem, logical, [np.array(x, dtype=np.int64) for x in p_ids], [np.arange(n - 1), np.arange(0)])
+            entry = {"request_id": f"p{i}", "block_ids": p_ids, "token_ids": prompt[:-1], "num_tokens": n - 1}
+            p.seal_now([entry])
+            p.start_load_kv(StepMetadata(saves=[dict(entry)]))
+            d.start_load_kv(StepMetadata(loads=[{
+                "request_id": f"d{i}", "remote_request_id": f"p{i}", "remote_engine_id": "P",
+                "remote_host": "127.0.0.1", "remote_port": p.side_channel_port, "remote_tp_size": 1,
+                "remote_block_ids": p_ids, "transfer_mode": "pull", "local_block_ids": d_ids,
+                "local_computed_tokens": 0, "num_tokens": n - 1, "token_ids": prompt[:-1]}]))
+            outs = poll_until([d, p], lambda o, i=i: any(f"d{i}" in x.finished_recving | x.failed_recving
+                                                         for x in o))
+            failed = {rid: f for x in outs for rid, f in x.load_failures.items()}
+            if i == 0:
+                assert set(failed) == {"d0"} and "could not plan the KV check" in failed["d0"].reason
+                assert "cannot locate a unit" in failed["d0"].reason
+                assert not any("d0" in x.finished_recving for x in outs)
+                assert {1, 3, 30, 4} <= set().union(*(x.invalid_block_ids for x in outs))
+            else:
+                assert not failed
+            # D holds no slot rows either way (a READ aborted in flight leaves P's blocks to
+            # its lease; a checked load that passed tells P to free)
+            pools = list(d.digest_slots._pools.values())
+            assert pools and all(pool.free == pool.slots for pool in pools)
+            assert not d.book.loads
+        poll_until([d, p], lambda o: "p1" not in p.leases.leases)
+        assert d.stats.counters["kv_verified_units_total"] > 0

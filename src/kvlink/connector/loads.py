@@ -45,16 +45,8 @@ class Load:
     cancelled: bool = False
     cancel_acks: set[str] = field(default_factory=set)
 
-    # per READ (by id): the digest slices it also carried, (bytes, descriptors, descriptors
-    # once NIXL merged those that follow on), kept out of the KV figures
-    digest_share: dict[int, tuple[int, int, int]] = field(default_factory=dict)
-
     def record(self, t: Transfer) -> TransferRecord:
-        rec = transfer_record(self.request_id, t)
-        nbytes, descs, merged = self.digest_share.get(id(t), (0, 0, 0))
-        rec.nbytes -= nbytes
-        rec.descriptors -= merged if t.telemetry is not None else descs
-        return rec
+        return transfer_record(self.request_id, t)
 
 
 def complete_push(book: LoadBook, out: WorkerOutput, load: Load, now: float) -> None:

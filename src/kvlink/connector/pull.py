@@ -9,9 +9,11 @@ the rest and fails the request with exactly its blocks named.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Mapping
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -21,9 +23,8 @@ from kvlink.connector.notifs import Done, encode
 from kvlink.connector.remote import RemoteEngine, conv_blocks
 from kvlink.connector.sealer import Faults
 from kvlink.connector.staging import LocalPages, bytes_at
-from kvlink.connector.verifier import NoDigestSlots, Verifier
+from kvlink.connector.verifier import NoDigestSlots, PlannedCheck, Verifier
 from kvlink.connector.worker_parts import WorkerParts
-from kvlink.layout.digests import ENTRY_BYTES
 from kvlink.layout.geometry import WorkerGeometry
 from kvlink.layout.spec import ModelSpec, is_ssm
 from kvlink.plan.descriptors import IntArray
@@ -73,85 +74,109 @@ class PullReader:
             w.fail_request(rid, all_blocks(entry), f"cannot plan request: {exc}", bad_params=True)
             return True
         self.note_unchecked(engine, entry)
-        try:
-            check = self.verifier.prepare(engine, entry, specs)
-        except NoDigestSlots:
-            if staged is not None:
-                assert engine.pool is not None
-                engine.pool.give(staged.slots)
-            return self._wait_for_slots(entry, "free KV digest slots")
+        # The check is planned on the verifier's helper thread while the KV READs run.
+        planning = self.verifier.begin(engine, entry, specs)
+        reserved: dict[int, list[int]] = {}
+        if planning is not None:
+            try:
+                reserved = self.verifier.reserve(engine, entry, specs)
+            except NoDigestSlots:
+                planning.result()  # the helper is done with the plan before the load waits
+                if staged is not None:
+                    assert engine.pool is not None
+                    engine.pool.give(staged.slots)
+                return self._wait_for_slots(entry, "free KV digest slots")
         load = w.book.start(rid, entry, all_blocks(entry), w.clock())
-        load.check = check
         load.conv = conv_blocks(engine, specs)
         if staged is not None:
             assert engine.pool is not None
             load.staging = (engine.pool, staged)
+        posted = False
+        try:
+            posted = self._post_reads(engine, entry, load, specs, checked=planning is not None)
+        finally:
+            if planning is not None:
+                self._checking(engine, load, planning, reserved)
+        if not posted:
+            return True
+        self.send_dones(load, engine)
+        w.notify(engine, entry, "notify", only_extra=True)
+        self.maybe_complete(load)
+        return True
+
+    def _post_reads(self, engine: RemoteEngine, entry: dict[str, Any], load: Load, specs: list[ReadSpec],
+                    checked: bool) -> bool:
+        """Post a load's KV READs, one per source rank; False when one was refused (the load
+        then failed, or waits for a new handshake)."""
+        w = self.worker
         for spec in specs:
             done = encode(Done(entry["remote_request_id"], engine.expected[spec.src_rank]), w.secret)
             handles = engine.handles[spec.src_rank]
             if not len(spec.local_idx):
                 w.send(handles.agent_name, done, engine)
                 continue
-            attached = done if w.notifier is None and check is None else b""
-            local_idx, remote_idx, digest_ids, digest_remote = self._read_ids(engine, load, spec)
+            attached = done if w.notifier is None and not checked else b""
+            local_idx, remote_idx = self._read_ids(spec)
             try:
                 t = self.agent.post("READ", handles.local_handle, local_idx,
-                                 handles.remote_handle, remote_idx, attached, tag=rid)
+                                    handles.remote_handle, remote_idx, attached, tag=load.request_id)
             except TransferFailed as exc:
                 if not load.transfers and w.retry_after_handshake(
                         engine.engine_id, entry, f"READ refused ({exc.reason})"):
-                    return True
+                    return False
                 self.failed(load, engine, exc.reason)
-                return True
+                return False
             load.transfers.append(t)
-            if len(digest_ids):
-                load.digest_share[id(t)] = (self._local_lengths(engine, spec.src_rank, digest_ids), len(digest_ids),
-                                            self._runs(engine, spec.src_rank, digest_ids, digest_remote))
             if not attached:
                 load.dones.append((t, handles.agent_name, done))
             self.inflight.add(t)
-        self.send_dones(load, engine)
-        w.notify(engine, entry, "notify", only_extra=True)
-        self.maybe_complete(load)
         return True
 
-    def _read_ids(self, engine: RemoteEngine, load: Load,
-                  spec: ReadSpec) -> tuple[IntArray, IntArray, IntArray, IntArray]:
-        """A READ's descriptor ids (local, remote): the KV's, then the digest slices', which
-        are also returned apart (local, remote)."""
+    def _checking(self, engine: RemoteEngine, load: Load, planning: Future[PlannedCheck],
+                  reserved: dict[int, list[int]]) -> None:
+        """The KV READs are posted: take the planned check into the reserved slots and read
+        its digest slices (or give the slots back when the load is over already)."""
+        current = not load.failed and self.worker.book.get(load.request_id) is load
+        try:
+            planned = planning.result()
+        except Exception as exc:  # a bad request the planner refused: the load must not run unchecked
+            self._give_rows(engine, reserved)
+            if current:
+                self.abort_reads(engine, load, f"kvlink could not plan the KV check: {type(exc).__name__}: {exc}")
+            return
+        if not current:
+            self._give_rows(engine, reserved)
+            return
+        load.check = self.verifier.claim(engine, planned, reserved)
+        reason = self.verifier.read_slices(self.agent, self.inflight, engine, load, load.check)
+        if reason is not None:
+            self.failed(load, engine, reason)
+
+    def _give_rows(self, engine: RemoteEngine, reserved: dict[int, list[int]]) -> None:
+        for rank, rows in reserved.items():
+            engine.digest_slots[rank].give(rows)
+        reserved.clear()
+
+    def abort_reads(self, engine: RemoteEngine, load: Load, reason: str) -> None:
+        """Fail a load whose READs may still run (the peer is not at fault): P is told to
+        free where its READ is done; one still running is aborted and its blocks wait for
+        P's lease to end."""
+        for t in load.transfers:
+            if not t.finished:
+                with contextlib.suppress(TransferFailed):  # a failed READ is over as well
+                    self.agent.poll(t)
+            if not t.finished:
+                self.agent.abort(t, reason)
+        self.worker.fail_request(load.request_id, load.blocks, reason)
+        self.send_dones(load, engine)
+
+    def _read_ids(self, spec: ReadSpec) -> tuple[IntArray, IntArray]:
+        """A READ's descriptor ids (local, remote)."""
         local_idx, remote_idx = spec.local_idx, spec.remote_idx
         if self.faults.skip_descriptor and len(local_idx) > 1:  # test fault: a truncated transfer
             keep = np.arange(len(local_idx)) != len(local_idx) // 2
             local_idx, remote_idx = local_idx[keep], remote_idx[keep]
-        if load.check is None:
-            return local_idx, remote_idx, local_idx[:0], remote_idx[:0]
-        digest_local, digest_remote = self.verifier.indices(engine, load.check, spec.src_rank)
-        return (np.concatenate([local_idx, digest_local]), np.concatenate([remote_idx, digest_remote]),
-                digest_local, digest_remote)
-
-    def _local_lengths(self, engine: RemoteEngine, src_rank: int, ids: IntArray) -> int:
-        """Bytes of the digest slices at these local descriptor ids."""
-        assert engine.plan is not None
-        pool = engine.digest_slots[src_rank]
-        base = engine.handles[src_rank].digest_local_base
-        groups = (ids - base) // pool.slots
-        return int(pool.slice_bytes[groups].sum())
-
-    def _runs(self, engine: RemoteEngine, src_rank: int, local_ids: IntArray, remote_ids: IntArray) -> int:
-        """How many descriptors the digest slices make once NIXL merged the ones that follow on
-        in memory on both sides (NIXL's figures count merged descriptors)."""
-        pool = engine.digest_slots[src_rank]
-        handles = engine.handles[src_rank]
-        layout = pool.layout
-        row = layout.row_entries * ENTRY_BYTES
-        lg, slot = np.divmod(local_ids - handles.digest_local_base, pool.slots)
-        table = engine.digest_geometries[src_rank].layout  # the source's rows (the pool's may be another's)
-        rg, block = np.divmod(remote_ids - handles.digest_remote_base, table.num_blocks)
-        offsets = np.asarray(layout.group_offsets, dtype=np.int64) * ENTRY_BYTES
-        sizes = pool.slice_bytes
-        local, remote = slot * row + offsets[lg], block * row + offsets[rg]
-        follows = (local[1:] == local[:-1] + sizes[lg[:-1]]) & (remote[1:] == remote[:-1] + sizes[rg[:-1]])
-        return int(local_ids.size - np.count_nonzero(follows))
+        return local_idx, remote_idx
 
     def _wait_for_slots(self, entry: dict[str, Any], what: str, advice: str = "") -> bool:
         """No free slots (staging pages, digest slots) for a load: it waits for them, up to the

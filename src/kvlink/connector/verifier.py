@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from kvlink.connector.checks import LoadCheck, SourceCheck
 from kvlink.connector.integrity import AddressSpace, CheckResult, check
@@ -37,25 +40,35 @@ class NoDigestSlots(Exception):
     """Every digest slot of the engine is held by other loads; the load waits."""
 
 
-def _slot_rows(spec: VerifySpec) -> int:
-    """Rows a spec's slices need: one per slice of its most listed group."""
-    if not spec.slice_group.size:
-        return 0
-    return int(np.bincount(spec.slice_group).max())
-
-
-def _slot_of(spec: VerifySpec, rows: list[int]) -> list[int]:
-    """The row of each slice: the k-th slice of a group takes the k-th row."""
+def _slots(spec: VerifySpec, rows: list[int]) -> tuple[int, list[int]]:
+    """How many of `rows` a spec's slices need (one per slice of its most listed group),
+    and the row of each slice: the k-th slice of a group takes the k-th row."""
     seen: dict[int, int] = {}
     out = []
     for group in spec.slice_group.tolist():
-        out.append(rows[seen.get(group, 0)])
-        seen[group] = seen.get(group, 0) + 1
-    return out
+        k = seen.get(group, 0)
+        out.append(rows[k])
+        seen[group] = k + 1
+    return max(seen.values(), default=0), out
+
+
+@dataclass(frozen=True)
+class PlannedCheck:
+    """What a load will check, before any slot is taken: per source rank, its spec."""
+
+    specs: list[VerifySpec]
+    seeds: npt.NDArray[np.uint64]
+    unverifiable: int
 
 
 class Verifier:
-    """Builds, posts and judges the checks of one reader worker's loads."""
+    """Builds, posts and judges the checks of one reader worker's loads.
+
+    Planning a check (which units to hash, where they land) is pure and runs on one helper
+    thread, so a pulled load plans its check while its READ runs: on CMA the copy runs inside
+    NIXL's `transfer()`, which lets go of the GIL. Slots are taken and digests posted on the
+    worker's thread, which owns the NIXL agent.
+    """
 
     def __init__(self, mode: str, sample_units: int, stats: ConnectorStats, memory: AddressSpace,
                  clock: Callable[[], float], deadline_s: float, seed: int = 0) -> None:
@@ -65,41 +78,92 @@ class Verifier:
         self.memory = memory
         self.clock = clock
         self.deadline_s = deadline_s
-        self.rng = np.random.default_rng(seed)
+        self.rng = np.random.default_rng(seed)  # drawn from on the helper thread only
+        self._helper: ThreadPoolExecutor | None = None
 
     def applies(self, engine: RemoteEngine) -> bool:
         return self.mode != "off" and bool(engine.digest_slots)
 
-    def prepare(self, engine: RemoteEngine, entry: dict[str, Any], specs: list[ReadSpec]) -> LoadCheck | None:
-        """The check of a load about to be posted, its slots taken; None when nothing applies.
-        Raises NoDigestSlots (nothing taken) when the slots are all in use."""
-        if not self.applies(engine) or not entry.get("token_ids") or engine.plan is None:
+    def checks(self, engine: RemoteEngine, entry: dict[str, Any]) -> bool:
+        """Whether a load of `entry` from `engine` is checked."""
+        return self.applies(engine) and bool(entry.get("token_ids")) and engine.plan is not None
+
+    def begin(self, engine: RemoteEngine, entry: dict[str, Any], specs: list[ReadSpec]
+              ) -> Future[PlannedCheck] | None:
+        """Plan a load's check on the helper thread; None when nothing applies."""
+        if not self.checks(engine, entry):
             return None
+        if self._helper is None:
+            self._helper = ThreadPoolExecutor(1, thread_name_prefix="kvlink-verify")
+        return self._helper.submit(self.plan, engine, entry, specs)
+
+    def plan(self, engine: RemoteEngine, entry: dict[str, Any], specs: list[ReadSpec]) -> PlannedCheck:
+        """The units and slices a load checks, per source rank (pure; no slot taken)."""
         num_tokens, computed = int(entry["num_tokens"]), int(entry.get("local_computed_tokens", 0))
         plan = engine.plan
+        assert plan is not None
         first_tokens = [first_token_to_ship(plan, g, num_tokens, computed) for g in range(len(plan.local.model.groups))]
         sample = (self.rng, self.sample_units) if self.mode == "sample" else None
-        sources: list[SourceCheck] = []
+        vspecs = []
         for spec in specs:
             if not len(spec.local_idx):
                 continue
             source = plan.source(spec.src_rank)
-            vspec = verify_spec(spec.src_rank, engine.digest_geometries[spec.src_rank], source.local_descs,
-                                source.remote_descs, spec.local_idx, spec.remote_idx,
-                                entry["remote_block_ids"], num_tokens, first_tokens, sample)
-            sources.append(SourceCheck(spec.src_rank, vspec, engine.digest_slots[spec.src_rank], []))
-        for src in sources:
-            rows = src.pool.take(_slot_rows(src.spec))
-            if rows is None:
-                self.release(sources)
-                raise NoDigestSlots(f"no free digest slots for {entry['request_id']}")
-            src.slots = _slot_of(src.spec, rows)
+            vspecs.append(verify_spec(spec.src_rank, engine.digest_geometries[spec.src_rank], source.local_descs,
+                                      source.remote_descs, spec.local_idx, spec.remote_idx,
+                                      entry["remote_block_ids"], num_tokens, first_tokens, sample))
         geometry = next(iter(engine.geometries.values()))
         seeds = np.array(block_seeds(entry["token_ids"], geometry.block_size, num_tokens), dtype=np.uint64)
-        unverifiable = sum(s.spec.unverifiable for s in sources)
-        if unverifiable:
-            self.stats.count("kv_unverifiable_units_total", unverifiable)
-        return LoadCheck(sources, seeds, self.clock() + self.deadline_s)
+        return PlannedCheck(vspecs, seeds, sum(v.unverifiable for v in vspecs))
+
+    def reserve(self, engine: RemoteEngine, entry: dict[str, Any], specs: list[ReadSpec]) -> dict[int, list[int]]:
+        """Slot rows for a load whose check is still being planned: as many per source rank
+        as the request has blocks in its longest group (a spec never needs more). Raises
+        NoDigestSlots (nothing taken) when they are not free."""
+        need = max((len(ids) for ids in entry["remote_block_ids"]), default=0)
+        taken: dict[int, list[int]] = {}
+        for spec in specs:
+            if not len(spec.local_idx):
+                continue
+            rows = engine.digest_slots[spec.src_rank].take(need)
+            if rows is None:
+                for rank, mine in taken.items():
+                    engine.digest_slots[rank].give(mine)
+                raise NoDigestSlots(f"no free digest slots for {entry['request_id']}")
+            taken[spec.src_rank] = rows
+        return taken
+
+    def claim(self, engine: RemoteEngine, planned: PlannedCheck, reserved: dict[int, list[int]]) -> LoadCheck:
+        """The check of a planned load, in the rows reserved for it (the rows it does not
+        need go back)."""
+        sources = []
+        for vspec in planned.specs:
+            rows = reserved.pop(vspec.src_rank)
+            pool = engine.digest_slots[vspec.src_rank]
+            need, slots = _slots(vspec, rows)
+            if need < len(rows):
+                pool.give(rows[need:])
+            sources.append(SourceCheck(vspec.src_rank, vspec, pool, slots))
+        for rank, rows in reserved.items():  # a source with nothing to check
+            engine.digest_slots[rank].give(rows)
+        reserved.clear()
+        if planned.unverifiable:
+            self.stats.count("kv_unverifiable_units_total", planned.unverifiable)
+        return LoadCheck(sources, planned.seeds, self.clock() + self.deadline_s)
+
+    def prepare(self, engine: RemoteEngine, entry: dict[str, Any], specs: list[ReadSpec]) -> LoadCheck | None:
+        """The check of a load, planned and its slots taken, at once; None when nothing
+        applies. Raises NoDigestSlots (nothing taken) when the slots are all in use."""
+        pending = self.begin(engine, entry, specs)
+        if pending is None:
+            return None
+        planned = pending.result()
+        return self.claim(engine, planned, self.reserve(engine, entry, specs))
+
+    def close(self) -> None:
+        if self._helper is not None:
+            self._helper.shutdown(wait=True)
+            self._helper = None
 
     def indices(self, engine: RemoteEngine, check_: LoadCheck, src_rank: int) -> tuple[IntArray, IntArray]:
         """Descriptor ids (local, remote) of the source's digest slices, for its READ."""
@@ -161,6 +225,11 @@ class Verifier:
         check_.reread_at = None
         check_.rereads += 1
         self.stats.count("kv_digest_rereads_total")
+        return self.read_slices(agent, inflight, engine, load, check_)
+
+    def read_slices(self, agent: NixlAgent, inflight: InflightTracker, engine: RemoteEngine, load: Load,
+                    check_: LoadCheck) -> str | None:
+        """Post the READs of the check's digest slices; the failure reason if one cannot be posted."""
         for src in check_.sources:
             local, remote = self.indices(engine, check_, src.src_rank)
             if not local.size:

@@ -463,6 +463,8 @@ class NixlWorker(ConnectorWorker):
             self.server.close()
         if self.inflight is not None:
             self.inflight.abort_all("shutdown")
+        if self.pull is not None:
+            self.pull.verifier.close()
         self.directory.shutdown(self.agent)
         if self.notifier is not None:
             self.notifier.close()
