@@ -1,8 +1,8 @@
 """Registered memory for KV digests: P's digest table, and D's slots that READs land slices in.
 
 P seals a request's blocks into its table (`kvlink.layout.digests` lays it out) when the
-request's KV is final; D reads the slices of the blocks it loads in the same READ as the
-KV, into slots of its own, and checks them once the READ is done. Neither side posts more
+request's KV is final; D reads the slices of the blocks it loads right after the KV,
+into slots of its own, and checks them once the READ is done. Neither side posts more
 than integers per request: the descriptor lists below are built once per remote engine.
 """
 

@@ -1,6 +1,6 @@
 """D side of KV integrity: which digests a load reads, and the verdict before it may run.
 
-A pulled load reads P's digest slices of its blocks in the same READ as the KV; a pushed
+A pulled load reads P's digest slices of its blocks right after its KV READ; a pushed
 one reads them once P says `pushed`. Then the reader hashes its own copies
 (`kvlink.connector.integrity.check`): a slice whose seed is not this request's tokens was
 not sealed yet (P seals at its next step, or inside vLLM right after the prefill) or was sealed for other tokens (P reused the
