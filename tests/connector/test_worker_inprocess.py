@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -12,6 +13,7 @@ import pytest
 import sim
 from kvmem import real_worker, region_sizes
 
+from kvlink.connector import verifier as verifier_module
 from kvlink.connector.api import StepMetadata, WorkerOutput
 from kvlink.connector.config import ConnectorConfig
 from kvlink.connector.worker import NixlWorker
@@ -273,10 +275,13 @@ def test_one_d_checks_loads_from_ps_whose_digest_tables_differ_in_rows() -> None
             p.shutdown()
 
 
-def test_a_check_that_cannot_be_planned_fails_its_load_and_every_digest_slot_comes_back() -> None:
-    """The check is planned on the verifier's helper thread while the KV READ runs. If the
-    planner raises (a bug, or params it cannot use), the load fails with that reason after
-    its READ, and never runs unchecked. The slot rows it reserved go back, and the next load
+@pytest.mark.parametrize("cores", [2, 1])
+def test_a_check_that_cannot_be_planned_fails_its_load_and_every_digest_slot_comes_back(
+        cores: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check is planned on the verifier's helper thread while the KV READ runs (on the
+    worker's own thread where it is bound to one core). If the planner raises (a bug, or
+    params it cannot use), the load fails with that reason after its READ, and never runs
+    unchecked. The slot rows it reserved go back, and the next load
     is checked as usual (and P frees its blocks)."""
     model = TINY_HYBRID
     n = 40
@@ -292,6 +297,8 @@ def test_a_check_that_cannot_be_planned_fails_its_load_and_every_digest_slot_com
             return real_plan(engine, entry, specs)
 
         d.pull.verifier.plan = plan  # type: ignore[method-assign]
+        monkeypatch.setattr(verifier_module.os, "sched_getaffinity", lambda _: set(range(cores)))
+        helper_threads = {t.name for t in threading.enumerate() if t.name.startswith("kvlink-verify")}
         for i, (p_ids, d_ids) in enumerate([([[5, 9, 2], [7]], [[1, 3, 30], [4]]),
                                             ([[10, 11, 12], [13]], [[14, 15, 16], [17]])]):
             sim.store(p_mem, logical, [np.array(x, dtype=np.int64) for x in p_ids], [np.arange(n - 1), np.arange(0)])
@@ -320,3 +327,5 @@ def test_a_check_that_cannot_be_planned_fails_its_load_and_every_digest_slot_com
             assert not d.book.loads
         poll_until([d, p], lambda o: "p1" not in p.leases.leases)
         assert d.stats.counters["kv_verified_units_total"] > 0
+        started = {t.name for t in threading.enumerate() if t.name.startswith("kvlink-verify")} - helper_threads
+        assert bool(started) == (cores > 1)

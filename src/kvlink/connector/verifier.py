@@ -11,6 +11,7 @@ digest differs fails the load at once, naming the request, the pages and both di
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,6 +35,13 @@ from kvlink.transfer.xfer import TransferFailed
 
 log = logging.getLogger("kvlink.connector.verify")
 REREAD_S = 0.002
+
+
+def helper_can_run_apart() -> bool:
+    """Whether a thread started here may run on another core than this one (threads inherit
+    the CPU set of the thread that starts them)."""
+    getaffinity = getattr(os, "sched_getaffinity", None)
+    return getaffinity is None or len(getaffinity(0)) > 1
 
 
 class NoDigestSlots(Exception):
@@ -66,7 +74,8 @@ class Verifier:
 
     Planning a check (which units to hash, where they land) is pure and runs on one helper
     thread, so a pulled load plans its check while its READ runs: on CMA the copy runs inside
-    NIXL's `transfer()`, which lets go of the GIL. Slots are taken and digests posted on the
+    NIXL's `transfer()`, which lets go of the GIL. Where this thread is bound to one core the
+    plan runs on it instead. Slots are taken and digests posted on the
     worker's thread, which owns the NIXL agent.
     """
 
@@ -93,9 +102,18 @@ class Verifier:
         """Plan a load's check on the helper thread; None when nothing applies."""
         if not self.checks(engine, entry):
             return None
-        if self._helper is None:
+        if self._helper is None and helper_can_run_apart():
             self._helper = ThreadPoolExecutor(1, thread_name_prefix="kvlink-verify")
-        return self._helper.submit(self.plan, engine, entry, specs)
+        if self._helper is not None:
+            return self._helper.submit(self.plan, engine, entry, specs)
+        # One core (a vLLM worker bound to its core): a helper could only take turns with
+        # the copy, so the plan runs here, before the READ.
+        planned: Future[PlannedCheck] = Future()
+        try:
+            planned.set_result(self.plan(engine, entry, specs))
+        except Exception as exc:
+            planned.set_exception(exc)
+        return planned
 
     def plan(self, engine: RemoteEngine, entry: dict[str, Any], specs: list[ReadSpec]) -> PlannedCheck:
         """The units and slices a load checks, per source rank (pure; no slot taken)."""
