@@ -175,8 +175,6 @@ def check(spec: VerifySpec, slices: npt.NDArray[np.uint64], seeds: Sequence[int]
         if not unit_slice.size:
             return result
         bounds, addrs, lengths = spec.piece_starts, spec.piece_addr, spec.piece_len
-        if unit_slice.size <= FEW_PIECES:
-            return _judge_few(result, spec, slices, expected_seed, memory)
     else:
         unsealed = np.flatnonzero(slices[:, 0] != expected_seed)
         result.unsealed = [(int(spec.slice_group[i]), int(spec.slice_index[i])) for i in unsealed]
@@ -196,17 +194,3 @@ def check(spec: VerifySpec, slices: npt.NDArray[np.uint64], seeds: Sequence[int]
                                   int(unit_slot[k]) - 1, int(want[k]), int(got[k])))
     return result
 
-
-def _judge_few(result: CheckResult, spec: VerifySpec, slices: npt.NDArray[np.uint64],
-               expected_seed: npt.NDArray[np.uint64], memory: Memory) -> CheckResult:
-    """`check` of a few units whose slices were all sealed for us, in plain Python."""
-    unit_slice, unit_slot = spec.unit_slice.tolist(), spec.unit_slot.tolist()
-    seeds = expected_seed.tolist()
-    got = digests(memory, spec.piece_addr, spec.piece_len, spec.piece_starts, [seeds[s] for s in unit_slice])
-    result.units = len(unit_slice)
-    result.hashed_bytes = int(spec.piece_len.sum())
-    for k, (s, slot) in enumerate(zip(unit_slice, unit_slot, strict=True)):
-        want = int(slices[s, slot])
-        if got[k] != want:
-            result.mismatches.append((int(spec.slice_group[s]), int(spec.slice_index[s]), slot - 1, want, got[k]))
-    return result

@@ -45,9 +45,6 @@ class Load:
     cancelled: bool = False
     cancel_acks: set[str] = field(default_factory=set)
 
-    def record(self, t: Transfer) -> TransferRecord:
-        return transfer_record(self.request_id, t)
-
 
 def complete_push(book: LoadBook, out: WorkerOutput, load: Load, now: float) -> None:
     """Every source pushed (and the check, if any, passed): the request may run."""

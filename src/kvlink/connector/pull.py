@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from kvlink.connector.loads import Load, complete_push
+from kvlink.connector.loads import Load, complete_push, transfer_record
 from kvlink.connector.notifs import Done, encode
 from kvlink.connector.remote import RemoteEngine, conv_blocks
 from kvlink.connector.sealer import Faults
@@ -81,22 +81,22 @@ class PullReader:
             try:
                 reserved = self.verifier.reserve(engine, entry, specs)
             except NoDigestSlots:
-                planning.result()  # the helper is done with the plan before the load waits
+                planning.exception()  # wait for the helper to be done with the plan before the load waits
                 if staged is not None:
                     assert engine.pool is not None
                     engine.pool.give(staged.slots)
                 return self._wait_for_slots(entry, "free KV digest slots")
         load = w.book.start(rid, entry, all_blocks(entry), w.clock())
-        load.conv = conv_blocks(engine, specs)
-        if staged is not None:
-            assert engine.pool is not None
-            load.staging = (engine.pool, staged)
         posted = False
         try:
+            load.conv = conv_blocks(engine, specs)
+            if staged is not None:
+                assert engine.pool is not None
+                load.staging = (engine.pool, staged)
             posted = self._post_reads(engine, entry, load, specs, checked=planning is not None)
-        finally:
+        finally:  # the plan is waited for and the reserved rows claimed or given back, whatever happened
             if planning is not None:
-                self._checking(engine, load, planning, reserved)
+                self._checking(engine, load, planning, reserved, posted)
         if not posted:
             return True
         self.send_dones(load, engine)
@@ -133,29 +133,25 @@ class PullReader:
         return True
 
     def _checking(self, engine: RemoteEngine, load: Load, planning: Future[PlannedCheck],
-                  reserved: dict[int, list[int]]) -> None:
+                  reserved: dict[int, list[int]], posted: bool) -> None:
         """The KV READs are posted: take the planned check into the reserved slots and read
-        its digest slices (or give the slots back when the load is over already)."""
-        current = not load.failed and self.worker.book.get(load.request_id) is load
+        its digest slices (or give the slots back when the load is over already, or its
+        READs were not all posted)."""
+        current = posted and not load.failed and self.worker.book.get(load.request_id) is load
         try:
             planned = planning.result()
         except Exception as exc:  # a bad request the planner refused: the load must not run unchecked
-            self._give_rows(engine, reserved)
+            self.verifier.unreserve(engine, reserved)
             if current:
                 self.abort_reads(engine, load, f"kvlink could not plan the KV check: {type(exc).__name__}: {exc}")
             return
         if not current:
-            self._give_rows(engine, reserved)
+            self.verifier.unreserve(engine, reserved)
             return
         load.check = self.verifier.claim(engine, planned, reserved)
         reason = self.verifier.read_slices(self.agent, self.inflight, engine, load, load.check)
         if reason is not None:
             self.failed(load, engine, reason)
-
-    def _give_rows(self, engine: RemoteEngine, reserved: dict[int, list[int]]) -> None:
-        for rank, rows in reserved.items():
-            engine.digest_slots[rank].give(rows)
-        reserved.clear()
 
     def abort_reads(self, engine: RemoteEngine, load: Load, reason: str) -> None:
         """Fail a load whose READs may still run (the peer is not at fault): P is told to
@@ -266,7 +262,7 @@ class PullReader:
             return
         w.book.finish(load.request_id)
         relayout_s = self.relayout(load)
-        records = [load.record(t) for t in load.transfers]
+        records = [transfer_record(load.request_id, t) for t in load.transfers]
         for rec in records:
             w.stats.record(rec)
         w.out.finished_recving.add(load.request_id)

@@ -87,8 +87,10 @@ class Verifier:
         self.memory = memory
         self.clock = clock
         self.deadline_s = deadline_s
-        self.rng = np.random.default_rng(seed)  # drawn from on the helper thread only
+        # never drawn from by two threads at once: a pulled load has its plan before `start` returns
+        self.rng = np.random.default_rng(seed)
         self._helper: ThreadPoolExecutor | None = None
+        self._apart: bool | None = None  # whether a helper may run on another core (asked once)
 
     def applies(self, engine: RemoteEngine) -> bool:
         return self.mode != "off" and bool(engine.digest_slots)
@@ -102,7 +104,9 @@ class Verifier:
         """Plan a load's check on the helper thread; None when nothing applies."""
         if not self.checks(engine, entry):
             return None
-        if self._helper is None and helper_can_run_apart():
+        if self._apart is None:
+            self._apart = helper_can_run_apart()
+        if self._helper is None and self._apart:
             self._helper = ThreadPoolExecutor(1, thread_name_prefix="kvlink-verify")
         if self._helper is not None:
             return self._helper.submit(self.plan, engine, entry, specs)
@@ -145,8 +149,7 @@ class Verifier:
                 continue
             rows = engine.digest_slots[spec.src_rank].take(need)
             if rows is None:
-                for rank, mine in taken.items():
-                    engine.digest_slots[rank].give(mine)
+                self.unreserve(engine, taken)
                 raise NoDigestSlots(f"no free digest slots for {entry['request_id']}")
             taken[spec.src_rank] = rows
         return taken
@@ -162,20 +165,23 @@ class Verifier:
             if need < len(rows):
                 pool.give(rows[need:])
             sources.append(SourceCheck(vspec.src_rank, vspec, pool, slots))
-        for rank, rows in reserved.items():  # a source with nothing to check
-            engine.digest_slots[rank].give(rows)
-        reserved.clear()
+        self.unreserve(engine, reserved)  # a source with nothing to check
         if planned.unverifiable:
             self.stats.count("kv_unverifiable_units_total", planned.unverifiable)
         return LoadCheck(sources, planned.seeds, self.clock() + self.deadline_s)
 
+    def unreserve(self, engine: RemoteEngine, reserved: dict[int, list[int]]) -> None:
+        """Give back slot rows reserved and not claimed."""
+        for rank, rows in reserved.items():
+            engine.digest_slots[rank].give(rows)
+        reserved.clear()
+
     def prepare(self, engine: RemoteEngine, entry: dict[str, Any], specs: list[ReadSpec]) -> LoadCheck | None:
-        """The check of a load, planned and its slots taken, at once; None when nothing
-        applies. Raises NoDigestSlots (nothing taken) when the slots are all in use."""
-        pending = self.begin(engine, entry, specs)
-        if pending is None:
+        """The check of a load, planned on this thread and its slots taken, at once; None
+        when nothing applies. Raises NoDigestSlots (nothing taken) when the slots are all in use."""
+        if not self.checks(engine, entry):
             return None
-        planned = pending.result()
+        planned = self.plan(engine, entry, specs)
         return self.claim(engine, planned, self.reserve(engine, entry, specs))
 
     def close(self) -> None:
