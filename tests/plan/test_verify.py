@@ -20,7 +20,7 @@ from test_sim import (
     sides,
 )
 
-from kvlink.connector.integrity import check, seal
+from kvlink.connector.integrity import UnitViews, check, seal, unit_views
 from kvlink.layout.digests import block_seeds, digest_geometry
 from kvlink.layout.spec import ModelSpec, SlidingWindow
 from kvlink.plan.request import first_token_to_ship
@@ -74,13 +74,16 @@ def run_checked(model: ModelSpec, p, d, shipped: int, prefix_blocks: int, seed: 
                                  page_order)
         plan = build_transfer_plan(reader.geometry, geometries)
         specs = plan.request_ids(d_ids, p_ids, shipped, computed)
-        sim.execute(plan, specs, reader, sources)
         memory = _memory(reader)
         firsts = [first_token_to_ship(plan, g, shipped, computed) for g in range(len(model.groups))]
-        for spec in specs:
+        vspecs = [verify_spec(spec.src_rank, digests[spec.src_rank], plan.source(spec.src_rank).local_descs,
+                              plan.source(spec.src_rank).remote_descs, spec.local_idx, spec.remote_idx, p_ids,
+                              shipped, firsts) for spec in specs]
+        # D looks up the bytes of its units while the READ runs: views taken before it must see what landed
+        early = [unit_views(vspec, memory) for vspec in vspecs]
+        sim.execute(plan, specs, reader, sources)
+        for spec, vspec, views in zip(specs, vspecs, early, strict=True):
             source = plan.source(spec.src_rank)
-            vspec = verify_spec(spec.src_rank, digests[spec.src_rank], source.local_descs, source.remote_descs,
-                                spec.local_idx, spec.remote_idx, p_ids, shipped, firsts)
             few = verify_spec(spec.src_rank, digests[spec.src_rank], source.local_descs, source.remote_descs,
                               spec.local_idx, spec.remote_idx, p_ids, shipped, firsts, (rng, 2))
             assert few.units == min(2, vspec.units) and np.array_equal(few.slice_block, vspec.slice_block)
@@ -91,25 +94,42 @@ def run_checked(model: ModelSpec, p, d, shipped: int, prefix_blocks: int, seed: 
             result = check(vspec, slices, seeds, memory)
             assert result.ok, (result.unsealed[:3], result.mismatches[:3])
             assert result.units == vspec.units and result.hashed_bytes == vspec.checked_bytes
+            assert check(vspec, slices, seeds, memory, views) == result
             if computed % p.kernel_block_size == 0 and not sliding and page_order == "token_major":
                 assert vspec.unverifiable == 0, "a unit read whole was not checked"
                 if len(spec.local_idx):
                     assert vspec.units > 0
             if vspec.units:
                 _assert_flip_caught(vspec, slices, seeds, reader, rng)
+                _assert_flip_caught(vspec, slices, seeds, reader, rng, views)
                 other = block_seeds(prompt[::-1].copy(), p.block_size, shipped)
                 stale = check(vspec, slices, other, memory)
                 assert len(stale.unsealed) == vspec.slice_block.size and not stale.mismatches
+                assert check(vspec, slices, other, memory, views) == stale
+                _assert_some_unsealed_rest_checked(vspec, slices, seeds, memory, views, rng)
+
+
+def _assert_some_unsealed_rest_checked(vspec: VerifySpec, slices: np.ndarray, seeds: list[int], memory,  # type: ignore[no-untyped-def]
+                                       views: UnitViews, rng: np.random.Generator) -> None:
+    """A slice not sealed for us yet: its units wait, every other unit is judged, with or
+    without the views looked up before."""
+    unsealed = slices.copy()
+    s = int(rng.integers(0, unsealed.shape[0]))
+    unsealed[s, 0] ^= np.uint64(1)
+    plain = check(vspec, unsealed, seeds, memory)
+    assert plain.unsealed == [(int(vspec.slice_group[s]), int(vspec.slice_index[s]))] and not plain.mismatches
+    assert plain.units == int(np.count_nonzero(vspec.unit_slice != s))
+    assert check(vspec, unsealed, seeds, memory, views) == plain
 
 
 def _assert_flip_caught(vspec: VerifySpec, slices: np.ndarray, seeds: list[int], reader: sim.WorkerMemory,
-                        rng: np.random.Generator) -> None:
+                        rng: np.random.Generator, views: UnitViews | None = None) -> None:
     unit = int(rng.integers(0, vspec.units))
     piece = int(rng.integers(vspec.piece_starts[unit], vspec.piece_starts[unit + 1]))
     at = int(vspec.piece_addr[piece]) - reader.start + int(rng.integers(0, vspec.piece_len[piece]))
     reader.data[at] ^= 0x40
     try:
-        result = check(vspec, slices, seeds, _memory(reader))
+        result = check(vspec, slices, seeds, _memory(reader), views)
     finally:
         reader.data[at] ^= 0x40
     slot = int(vspec.unit_slot[unit]) - 1

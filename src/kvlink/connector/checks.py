@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
+from kvlink.connector.integrity import UnitViews
 from kvlink.plan.verify import VerifySpec
 from kvlink.transfer.xfer import Transfer
 
@@ -18,12 +19,14 @@ if TYPE_CHECKING:
 
 @dataclass
 class SourceCheck:
-    """One source rank's part of a load's check: its units and the slots its slices land in."""
+    """One source rank's part of a load's check: its units (and their bytes, looked up when
+    the check was planned) and the slots its slices land in."""
 
     src_rank: int
     spec: VerifySpec
     pool: DigestSlots
     slots: list[int]
+    views: UnitViews | None = None
 
 
 @dataclass

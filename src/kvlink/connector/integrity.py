@@ -113,6 +113,37 @@ def digests(memory: Memory, addrs: npt.NDArray[np.int64], lengths: npt.NDArray[n
     return out
 
 
+@dataclass(frozen=True)
+class UnitViews:
+    """A spec's units as bytes of this process, looked up once (a pulled load does it on its
+    planning thread while the READ runs): unit `k` hashes `views[bounds[k]:bounds[k+1]]`."""
+
+    views: list[Any]
+    bounds: list[int]
+
+
+def unit_views(spec: VerifySpec, memory: Memory) -> UnitViews:
+    """Look up the bytes of every unit of `spec` (empty ranges left out)."""
+    addrs, lengths, starts = spec.piece_addr, spec.piece_len, spec.piece_starts
+    if not lengths.size or lengths.min() > 0:
+        return UnitViews(_pieces(memory, addrs, lengths), starts.tolist())
+    keep = lengths > 0
+    bounds = np.concatenate(([0], np.cumsum(keep)))[starts].tolist()
+    return UnitViews(_pieces(memory, addrs[keep], lengths[keep]), bounds)
+
+
+def _view_digests(views: UnitViews, units: Sequence[int], seeds: Sequence[int]) -> list[int]:
+    """Digests of some units (their bytes looked up already), one seed per unit."""
+    pieces, bounds = views.views, views.bounds
+    out = []
+    for k, seed in zip(units, seeds, strict=True):
+        h = xxhash.xxh3_64(seed=seed)
+        for piece in pieces[bounds[k]:bounds[k + 1]]:
+            h.update(piece)
+        out.append(h.intdigest())
+    return out
+
+
 def seal(table: npt.NDArray[np.uint64], dg: DigestGeometry, memory: Memory, block_ids: Sequence[Sequence[int]],
          num_tokens: int, seeds: Sequence[int]) -> int:
     """Write the digests of every shipped unit of a request into its slices (digests first,
@@ -165,12 +196,13 @@ def _unit_pieces(starts: npt.NDArray[np.int64], units: npt.NDArray[np.int64]
 
 
 def check(spec: VerifySpec, slices: npt.NDArray[np.uint64], seeds: Sequence[int] | npt.NDArray[np.uint64],
-          memory: Memory) -> CheckResult:
+          memory: Memory, views: UnitViews | None = None) -> CheckResult:
     """Compare the digest slices read from P (`slices[i]`: slice i of `spec`, entry 0 the seed)
-    with digests of our own copies of the units."""
+    with digests of our own copies of the units (`views`: their bytes, when looked up already)."""
     result = CheckResult()
     expected_seed = np.asarray(seeds, dtype=np.uint64)[spec.slice_index]
     unit_slice, unit_slot = spec.unit_slice, spec.unit_slot
+    units: npt.NDArray[np.int64] | None = None
     if np.array_equal(slices[:, 0], expected_seed):  # the usual case: every slice sealed for us
         if not unit_slice.size:
             return result
@@ -184,7 +216,12 @@ def check(spec: VerifySpec, slices: npt.NDArray[np.uint64], seeds: Sequence[int]
         pieces, bounds = _unit_pieces(spec.piece_starts, units)
         addrs, lengths = spec.piece_addr[pieces], spec.piece_len[pieces]
         unit_slice, unit_slot = unit_slice[units], unit_slot[units]
-    got = np.array(digests(memory, addrs, lengths, bounds, expected_seed[unit_slice].tolist()), dtype=np.uint64)
+    unit_seeds = expected_seed[unit_slice].tolist()
+    if views is not None:
+        which = range(spec.units) if units is None else units.tolist()
+        got = np.array(_view_digests(views, which, unit_seeds), dtype=np.uint64)
+    else:
+        got = np.array(digests(memory, addrs, lengths, bounds, unit_seeds), dtype=np.uint64)
     want = slices[unit_slice, unit_slot]
     result.units = int(unit_slice.size)
     result.hashed_bytes = int(lengths.sum())

@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvlink.connector.checks import LoadCheck, SourceCheck
-from kvlink.connector.integrity import AddressSpace, CheckResult, check
+from kvlink.connector.integrity import AddressSpace, CheckResult, UnitViews, check, unit_views
 from kvlink.connector.loads import Load
 from kvlink.connector.remote import RemoteEngine
 from kvlink.connector.stats import ConnectorStats
@@ -62,9 +62,11 @@ def _slots(spec: VerifySpec, rows: list[int]) -> tuple[int, list[int]]:
 
 @dataclass(frozen=True)
 class PlannedCheck:
-    """What a load will check, before any slot is taken: per source rank, its spec."""
+    """What a load will check, before any slot is taken: per source rank, its spec and the
+    bytes of its units."""
 
     specs: list[VerifySpec]
+    views: list[UnitViews]
     seeds: npt.NDArray[np.uint64]
     unverifiable: int
 
@@ -72,7 +74,7 @@ class PlannedCheck:
 class Verifier:
     """Builds, posts and judges the checks of one reader worker's loads.
 
-    Planning a check (which units to hash, where they land) is pure and runs on one helper
+    Planning a check (which units to hash, where they land, the views of their bytes) runs on one helper
     thread, so a pulled load plans its check while its READ runs: on CMA the copy runs inside
     NIXL's `transfer()`, which lets go of the GIL. Where this thread is bound to one core the
     plan runs on it instead. Slots are taken and digests posted on the
@@ -136,7 +138,8 @@ class Verifier:
                                       entry["remote_block_ids"], num_tokens, first_tokens, sample))
         geometry = next(iter(engine.geometries.values()))
         seeds = np.array(block_seeds(entry["token_ids"], geometry.block_size, num_tokens), dtype=np.uint64)
-        return PlannedCheck(vspecs, seeds, sum(v.unverifiable for v in vspecs))
+        views = [unit_views(v, self.memory) for v in vspecs]  # looked up here, not after the READ
+        return PlannedCheck(vspecs, views, seeds, sum(v.unverifiable for v in vspecs))
 
     def reserve(self, engine: RemoteEngine, entry: dict[str, Any], specs: list[ReadSpec]) -> dict[int, list[int]]:
         """Slot rows for a load whose check is still being planned: as many per source rank
@@ -158,13 +161,13 @@ class Verifier:
         """The check of a planned load, in the rows reserved for it (the rows it does not
         need go back)."""
         sources = []
-        for vspec in planned.specs:
+        for vspec, views in zip(planned.specs, planned.views, strict=True):
             rows = reserved.pop(vspec.src_rank)
             pool = engine.digest_slots[vspec.src_rank]
             need, slots = _slots(vspec, rows)
             if need < len(rows):
                 pool.give(rows[need:])
-            sources.append(SourceCheck(vspec.src_rank, vspec, pool, slots))
+            sources.append(SourceCheck(vspec.src_rank, vspec, pool, slots, views))
         self.unreserve(engine, reserved)  # a source with nothing to check
         if planned.unverifiable:
             self.stats.count("kv_unverifiable_units_total", planned.unverifiable)
@@ -210,7 +213,7 @@ class Verifier:
         unsealed: list[tuple[int, tuple[int, int]]] = []
         for src in check_.sources:
             result: CheckResult = check(src.spec, src.pool.slices(src.spec.slice_group, src.slots),
-                                        check_.seeds, self.memory)
+                                        check_.seeds, self.memory, src.views)
             check_.hashed_bytes += result.hashed_bytes
             check_.units += result.units
             if result.mismatches:
