@@ -3,6 +3,9 @@ many at once, and digests over them equal to one xxh3 stream over the same bytes
 
 from __future__ import annotations
 
+import sys
+import threading
+
 import numpy as np
 import pytest
 import xxhash
@@ -49,3 +52,39 @@ def test_a_units_digest_is_one_stream_over_its_pieces_in_order() -> None:
     want0 = xxhash.xxh3_64(arrays[0][:40].tobytes() + arrays[1][:256].tobytes(), seed=11).intdigest()
     want1 = xxhash.xxh3_64(arrays[0][50:60].tobytes(), seed=2**64 - 1).intdigest()
     assert got == [want0, want1]
+
+
+def test_lookups_on_another_thread_see_whole_areas_while_areas_are_added() -> None:
+    """D adds a staging area on its own thread while the verifier's planning thread looks up
+    another load's bytes: every lookup returns the bytes asked for, never a torn index."""
+    arrays, space = _areas()
+    addrs = np.array([a.ctypes.data + 1 for a in arrays], np.int64)
+    lengths = np.array([a.nbytes - 1 for a in arrays], np.int64)
+    want = [a[1:].tobytes() for a in arrays]
+    added: list[np.ndarray] = []  # kept alive: the space holds views of them
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def look() -> None:
+        try:
+            while not stop.is_set():
+                assert [bytes(v) for v in space.pieces(addrs, lengths)] == want
+        except BaseException as exc:
+            errors.append(exc)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter allows
+    reader = threading.Thread(target=look)
+    reader.start()
+    try:
+        for i in range(300):
+            area = np.full(64 + i, i % 251, dtype=np.uint8)
+            added.append(area)
+            space.add(area.ctypes.data, area)
+    finally:
+        stop.set()
+        reader.join(timeout=30)
+        sys.setswitchinterval(interval)
+    assert not reader.is_alive() and not errors, errors[:1]
+    for area in added:
+        assert bytes(space(area.ctypes.data, area.nbytes)) == area.tobytes()

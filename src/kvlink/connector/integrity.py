@@ -27,8 +27,22 @@ Memory = Callable[[int, int], memoryview]
 FEW_PIECES = 64  # up to this many ranges, `digests` looks them up one by one
 
 
+class _Areas:
+    """One immutable snapshot of an address space's areas, sorted by base."""
+
+    def __init__(self, bases: list[int], views: list[memoryview]) -> None:
+        self.bases = bases
+        self.views = views
+        self.base_array = np.array(bases, dtype=np.int64)
+        self.size_array = np.array([v.nbytes for v in views], dtype=np.int64)
+
+
 class AddressSpace:
-    """Bytes by address inside areas this process owns (cache tensors, staging pages)."""
+    """Bytes by address inside areas this process owns (cache tensors, staging pages).
+
+    Looked up from the verifier's planning thread while D's thread may add a staging area:
+    an area is added by swapping in a new snapshot, so a lookup sees the areas before or
+    after, never half of a change."""
 
     def __init__(self, areas: Sequence[tuple[int, int]]) -> None:
         # Aliased layers (vLLM's hybrid cache) list one memory several times: merge overlaps.
@@ -38,42 +52,39 @@ class AddressSpace:
                 spans[-1][1] = max(spans[-1][1], base + n)
             else:
                 spans.append([base, base + n])
-        self._bases = [base for base, _ in spans]
-        self._views = [memoryview((ctypes.c_uint8 * (end - base)).from_address(base)).cast("B")
-                       for base, end in spans]
-        self._index()
-
-    def _index(self) -> None:
-        self._base_array = np.array(self._bases, dtype=np.int64)
-        self._size_array = np.array([v.nbytes for v in self._views], dtype=np.int64)
+        self._areas = _Areas([base for base, _ in spans],
+                             [memoryview((ctypes.c_uint8 * (end - base)).from_address(base)).cast("B")
+                              for base, end in spans])
 
     def add(self, base: int, data: npt.NDArray[np.uint8]) -> None:
-        at = bisect.bisect(self._bases, base)
-        self._bases.insert(at, base)
-        self._views.insert(at, data.data.cast("B"))
-        self._index()
+        old = self._areas
+        at = bisect.bisect(old.bases, base)
+        self._areas = _Areas([*old.bases[:at], base, *old.bases[at:]],
+                             [*old.views[:at], data.data.cast("B"), *old.views[at:]])
 
     def __call__(self, addr: int, length: int) -> memoryview:
-        at = bisect.bisect_right(self._bases, addr) - 1
+        areas = self._areas
+        at = bisect.bisect_right(areas.bases, addr) - 1
         if at < 0:
             raise ValueError(f"address {addr:#x} is below every registered area")
-        offset = addr - self._bases[at]
-        view = self._views[at]
+        offset = addr - areas.bases[at]
+        view = areas.views[at]
         if offset + length > view.nbytes:
             raise ValueError(f"range {addr:#x}+{length} runs past its area")
         return view[offset:offset + length]
 
     def pieces(self, addrs: npt.NDArray[np.int64], lengths: npt.NDArray[np.int64]) -> list[memoryview]:
         """The bytes of many ranges at once (one lookup for all of them)."""
-        at = np.searchsorted(self._base_array, addrs, side="right") - 1
+        areas = self._areas
+        at = np.searchsorted(areas.base_array, addrs, side="right") - 1
         if at.size and int(at.min()) < 0:
             raise ValueError(f"address {int(addrs[np.argmin(at)]):#x} is below every registered area")
-        starts = addrs - self._base_array[at]
+        starts = addrs - areas.base_array[at]
         ends = starts + lengths
-        over = np.flatnonzero(ends > self._size_array[at])
+        over = np.flatnonzero(ends > areas.size_array[at])
         if over.size:
             raise ValueError(f"range {int(addrs[over[0]]):#x}+{int(lengths[over[0]])} runs past its area")
-        views = self._views
+        views = areas.views
         return [views[i][a:b] for i, a, b in zip(at.tolist(), starts.tolist(), ends.tolist(), strict=True)]
 
 
