@@ -26,7 +26,7 @@ class SourceCheck:
     spec: VerifySpec
     pool: DigestSlots
     slots: list[int]
-    views: UnitViews | None = None
+    views: UnitViews
 
 
 @dataclass

@@ -24,7 +24,6 @@ from kvlink.layout.digests import DigestGeometry, seed_index, shipped_blocks, un
 from kvlink.plan.verify import VerifySpec
 
 Memory = Callable[[int, int], memoryview]
-FEW_PIECES = 64  # up to this many ranges, `digests` looks them up one by one
 
 
 class _Areas:
@@ -95,52 +94,28 @@ def _pieces(memory: Memory, addrs: npt.NDArray[np.int64], lengths: npt.NDArray[n
     return [memory(a, n) for a, n in zip(addrs.tolist(), lengths.tolist(), strict=True)]
 
 
-def digests(memory: Memory, addrs: npt.NDArray[np.int64], lengths: npt.NDArray[np.int64],
-            starts: npt.NDArray[np.int64], seeds: Sequence[int]) -> list[int]:
-    """Digest of each unit `k`: xxh3-64 seeded with `seeds[k]` over its ranges
-    `starts[k]:starts[k+1]` in order, as one stream (empty ranges add nothing)."""
-    if lengths.size <= FEW_PIECES:  # a sampled check: plain Python beats numpy calls on cold caches
-        addr_list, length_list, bound_list = addrs.tolist(), lengths.tolist(), starts.tolist()
-        few = []
-        for k, seed in enumerate(seeds):
-            h = xxhash.xxh3_64(seed=seed)
-            for i in range(bound_list[k], bound_list[k + 1]):
-                if length_list[i]:
-                    h.update(memory(addr_list[i], length_list[i]))
-            few.append(h.intdigest())
-        return few
-    if lengths.min() > 0:
-        bounds, views = starts.tolist(), _pieces(memory, addrs, lengths)
-    else:
-        keep = lengths > 0
-        bounds = np.concatenate(([0], np.cumsum(keep)))[starts].tolist()
-        views = _pieces(memory, addrs[keep], lengths[keep])
-    out = []
-    for k, seed in enumerate(seeds):
-        h = xxhash.xxh3_64(seed=seed)
-        for piece in views[bounds[k]:bounds[k + 1]]:
-            h.update(piece)
-        out.append(h.intdigest())
-    return out
-
-
 @dataclass(frozen=True)
 class UnitViews:
-    """A spec's units as bytes of this process, looked up once (a pulled load does it on its
+    """Units as bytes of this process, looked up once (a pulled load's check does it on its
     planning thread while the READ runs): unit `k` hashes `views[bounds[k]:bounds[k+1]]`."""
 
     views: list[Any]
     bounds: list[int]
 
 
-def unit_views(spec: VerifySpec, memory: Memory) -> UnitViews:
-    """Look up the bytes of every unit of `spec` (empty ranges left out)."""
-    addrs, lengths, starts = spec.piece_addr, spec.piece_len, spec.piece_starts
+def _lookup(memory: Memory, addrs: npt.NDArray[np.int64], lengths: npt.NDArray[np.int64],
+            starts: npt.NDArray[np.int64]) -> UnitViews:
+    """The bytes of units whose ranges are `starts[k]:starts[k+1]` (empty ranges left out)."""
     if not lengths.size or lengths.min() > 0:
         return UnitViews(_pieces(memory, addrs, lengths), starts.tolist())
     keep = lengths > 0
     bounds = np.concatenate(([0], np.cumsum(keep)))[starts].tolist()
     return UnitViews(_pieces(memory, addrs[keep], lengths[keep]), bounds)
+
+
+def unit_views(spec: VerifySpec, memory: Memory) -> UnitViews:
+    """Look up the bytes of every unit of `spec`."""
+    return _lookup(memory, spec.piece_addr, spec.piece_len, spec.piece_starts)
 
 
 def _view_digests(views: UnitViews, units: Sequence[int], seeds: Sequence[int]) -> list[int]:
@@ -153,6 +128,13 @@ def _view_digests(views: UnitViews, units: Sequence[int], seeds: Sequence[int]) 
             h.update(piece)
         out.append(h.intdigest())
     return out
+
+
+def digests(memory: Memory, addrs: npt.NDArray[np.int64], lengths: npt.NDArray[np.int64],
+            starts: npt.NDArray[np.int64], seeds: Sequence[int]) -> list[int]:
+    """Digest of each unit `k`: xxh3-64 seeded with `seeds[k]` over its ranges
+    `starts[k]:starts[k+1]` in order, as one stream (empty ranges add nothing)."""
+    return _view_digests(_lookup(memory, addrs, lengths, starts), range(len(seeds)), seeds)
 
 
 def seal(table: npt.NDArray[np.uint64], dg: DigestGeometry, memory: Memory, block_ids: Sequence[Sequence[int]],
@@ -197,13 +179,10 @@ class CheckResult:
         return not self.unsealed and not self.mismatches
 
 
-def _unit_pieces(starts: npt.NDArray[np.int64], units: npt.NDArray[np.int64]
-                 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-    """Piece indices of some units, in order, and where each unit's run starts in them."""
-    counts = starts[units + 1] - starts[units]
-    bounds = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
-    index = np.arange(int(bounds[-1]), dtype=np.int64) + np.repeat(starts[units] - bounds[:-1], counts)
-    return index, bounds
+def _unit_bytes(starts: npt.NDArray[np.int64], lengths: npt.NDArray[np.int64], units: npt.NDArray[np.int64]) -> int:
+    """Bytes of some units (unit k's ranges are `starts[k]:starts[k+1]`)."""
+    total = np.concatenate(([0], np.cumsum(lengths)))
+    return int((total[starts[units + 1]] - total[starts[units]]).sum())
 
 
 def check(spec: VerifySpec, slices: npt.NDArray[np.uint64], seeds: Sequence[int] | npt.NDArray[np.uint64],
@@ -213,29 +192,25 @@ def check(spec: VerifySpec, slices: npt.NDArray[np.uint64], seeds: Sequence[int]
     result = CheckResult()
     expected_seed = np.asarray(seeds, dtype=np.uint64)[spec.slice_index]
     unit_slice, unit_slot = spec.unit_slice, spec.unit_slot
-    units: npt.NDArray[np.int64] | None = None
     if np.array_equal(slices[:, 0], expected_seed):  # the usual case: every slice sealed for us
         if not unit_slice.size:
             return result
-        bounds, addrs, lengths = spec.piece_starts, spec.piece_addr, spec.piece_len
+        which: Sequence[int] = range(spec.units)
+        result.hashed_bytes = spec.checked_bytes
     else:
         unsealed = np.flatnonzero(slices[:, 0] != expected_seed)
         result.unsealed = [(int(spec.slice_group[i]), int(spec.slice_index[i])) for i in unsealed]
         units = np.flatnonzero(~np.isin(unit_slice, unsealed))
         if not units.size:
             return result
-        pieces, bounds = _unit_pieces(spec.piece_starts, units)
-        addrs, lengths = spec.piece_addr[pieces], spec.piece_len[pieces]
+        which = units.tolist()
+        result.hashed_bytes = _unit_bytes(spec.piece_starts, spec.piece_len, units)
         unit_slice, unit_slot = unit_slice[units], unit_slot[units]
-    unit_seeds = expected_seed[unit_slice].tolist()
-    if views is not None:
-        which = range(spec.units) if units is None else units.tolist()
-        got = np.array(_view_digests(views, which, unit_seeds), dtype=np.uint64)
-    else:
-        got = np.array(digests(memory, addrs, lengths, bounds, unit_seeds), dtype=np.uint64)
+    if views is None:
+        views = unit_views(spec, memory)
+    got = np.array(_view_digests(views, which, expected_seed[unit_slice].tolist()), dtype=np.uint64)
     want = slices[unit_slice, unit_slot]
     result.units = int(unit_slice.size)
-    result.hashed_bytes = int(lengths.sum())
     for k in np.flatnonzero(got != want).tolist():
         s = int(unit_slice[k])
         result.mismatches.append((int(spec.slice_group[s]), int(spec.slice_index[s]),
