@@ -69,6 +69,10 @@ def test_bad_requests_get_openai_style_400s(fake_app: Any) -> None:
         ({"prompt": "x" * 70}, "maximum context length is 64"),
         ({"prompt": "x" * 10, "max_tokens": 60}, "reduce max_tokens to at most 54"),
         ({"prompt": "x", "kv_transfer_params": {"bogus": 1}}, "no known mode"),
+        ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty=0.5 is not supported"),
+        ({"prompt": "x", "top_k": 5}, "top_k=5 is not supported"),
+        ({"prompt": "x", "repetition_penalty": True}, "repetition_penalty=True is not supported"),
+        ({"prompt": "x", "logit_bias": {"7": 3}}, "logit_bias"),
     ]
     with TestClient(fake_app) as client:
         for request, expected in cases:
@@ -77,6 +81,20 @@ def test_bad_requests_get_openai_style_400s(fake_app: Any) -> None:
             error = response.json()["error"]
             assert expected in error["message"], (request, error)
             assert error["type"] == "invalid_request_error"
+
+
+def test_sampling_knobs_at_their_neutral_value_are_accepted(fake_app: Any) -> None:
+    """Clients send the OpenAI defaults of knobs we do not implement: those mean "off" and pass;
+    NaN (which Python's JSON reads) is no neutral value."""
+    neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1, "top_k": -1,
+               "min_p": 0, "best_of": 1, "logit_bias": {}, "user": "u"}
+    with TestClient(fake_app) as client:
+        assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, **neutral}).status_code == 200
+        chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "top_k": 0}
+        assert client.post("/v1/chat/completions", json=chat).status_code == 200
+        nan = client.post("/v1/completions", content=b'{"prompt": "x", "frequency_penalty": NaN}',
+                          headers={"content-type": "application/json"})
+        assert nan.status_code == 400 and "frequency_penalty=nan" in nan.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(("prompt", "status", "code"), [

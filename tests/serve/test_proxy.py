@@ -231,6 +231,21 @@ def test_non_json_body_is_a_400() -> None:
     assert "not valid JSON" in response.json()["error"]["message"]
 
 
+@pytest.mark.parametrize(("body", "named"), [(b'{"prompt": "x", "temperature": NaN}', "NaN"),
+                                             (b'{"prompt": "x", "top_p": -Infinity}', "-Infinity"),
+                                             (b'{"prompt": "x", "temperature": 1e400}', "1e400")])
+def test_numbers_json_cannot_carry_are_a_400(body: bytes, named: str) -> None:
+    """Python's JSON reads NaN, Infinity and overflowing floats, but the proxy could not forward
+    them: refused as the client's bad JSON, not blamed on P (P is never called here)."""
+    proxy = build_proxy_app(["http://127.0.0.1:1"], ["http://127.0.0.1:2"])
+    with serve_in_thread(proxy) as url:
+        response = httpx.post(f"{url}/v1/completions", content=body, timeout=5,
+                              headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "invalid_json" and named in error["message"], error
+
+
 
 
 def test_proxy_cli_serves_health_and_stops_on_sigterm() -> None:

@@ -1,8 +1,9 @@
 """Request bodies of `/v1/completions` and `/v1/chat/completions`, as the OpenAI API spells them.
 
 Only the fields kvlink acts on are declared; unknown fields are ignored (clients
-send many), but features we cannot honour (`n > 1`, `logprobs`, `echo`) are refused
-with a 400 rather than silently dropped.
+send many), but features we cannot honour (`n > 1`, `logprobs`, `echo`, and the sampling
+knobs in `UNHONOURED` set to anything but their neutral value) are refused with a 400
+rather than silently dropped.
 """
 
 from __future__ import annotations
@@ -18,8 +19,28 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# Sampling knobs of the OpenAI API (and vLLM's extensions) the engine does not implement, with
+# the values that mean "off": a client may send those, any other value is refused.
+UNHONOURED: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
+    "top_k": (None, 0, -1), "min_p": (None, 0), "best_of": (None, 1), "logit_bias": (None, {}),
+}
+
+
 class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unhonoured(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, neutral in UNHONOURED.items():
+                value = data.get(name)
+                # bool is an int: `true` is not the neutral 1; NaN equals nothing, so it is refused.
+                if isinstance(value, bool) or not any(value == n for n in neutral):
+                    raise ValueError(f"{name}={value!r} is not supported (kvlink samples with temperature, "
+                                     f"top_p and seed only); leave it out")
+        return data
 
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)

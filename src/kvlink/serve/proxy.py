@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -39,6 +40,23 @@ from kvlink.serve.upstream import (
 PREFILL_HEADER = "x-kvlink-prefill-s"
 
 logger = logging.getLogger("kvlink.proxy")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text} is out of range")
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_json(raw: bytes) -> Any:
+    """A client's body as strict JSON: NaN, Infinity and numbers that overflow a float are
+    refused here (400), since they could not be forwarded to P and D as JSON."""
+    return json.loads(raw, parse_float=_finite, parse_constant=_no_constant)
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -271,7 +289,7 @@ def build_proxy_app(
     async def route(raw: Request, path: str) -> Response:
         started = time.monotonic()
         try:
-            body = await raw.json()
+            body = parse_json(await raw.body())
         except ValueError as error:
             raise APIError(400, f"request body is not valid JSON: {error}", "invalid_json") from error
         if not isinstance(body, dict):
