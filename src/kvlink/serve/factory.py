@@ -119,7 +119,7 @@ def build_engine(args: argparse.Namespace, progress: Progress = print) -> Served
     engine = LLMEngine(engine_model, args.num_blocks, args.block_size, kernel_block_size,
                        scheduler, worker, args.load_failure_policy,
                        prefill_chunk=getattr(args, "prefill_chunk", 0))
-    if scheduler is not None and local_worker is not None and config.side_channel_port == 0:
+    if config is not None and scheduler is not None and local_worker is not None and config.side_channel_port == 0:
         # An ephemeral side channel: advertise the port we actually got.
         scheduler.config = dataclasses.replace(config, side_channel_port=local_worker.side_channel_port)
     max_model_len = min(model_max_len, args.num_blocks * args.block_size)

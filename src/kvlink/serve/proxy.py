@@ -312,11 +312,12 @@ def build_proxy_app(
         try:
             # A client that leaves while P prefills must not get its KV moved to D for nobody:
             # cancelling the upstream call closes that connection, and the instance aborts.
-            params, prefill_s = await unless_disconnected(raw, run_prefill(path, body, headers))
+            params, prefilled_s = await unless_disconnected(raw, run_prefill(path, body, headers))
+            prefill_s = prefilled_s
             decode_request = dict(body, kv_transfer_params=params)
             if body.get("stream"):
                 return await unless_disconnected(
-                    raw, stream_decode(path, decode_request, headers, started, prefill_s))
+                    raw, stream_decode(path, decode_request, headers, started, prefilled_s))
             sent = time.monotonic()
             with decode.acquire() as instance:
                 decode_url = instance.url
@@ -334,7 +335,7 @@ def build_proxy_app(
         figures = answer.get("kvlink")
         if isinstance(figures, dict):
             figures["prefill_s"] = prefill_s
-        return JSONResponse(answer, headers={PREFILL_HEADER: f"{prefill_s:.6f}"})
+        return JSONResponse(answer, headers={PREFILL_HEADER: f"{prefilled_s:.6f}"})
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
