@@ -60,18 +60,16 @@ class VllmServers:
     def start(self, *specs: VllmServerSpec, timeout_s: float = READY_TIMEOUT_S,
               alongside: Iterable[VllmServerSpec] = ()) -> list[Service]:
         """Start `specs` and wait until they serve. `alongside`: servers started at the same
-        time but not waited for; the next `start` of an equal spec takes the running one (a
-        module's P/D servers come up while its colocated reference answers). An alongside
-        server that the next `start` does not ask for is stopped then."""
-        pending, self._pending = self._pending, []
+        time but not waited for; a later `start` of an equal spec takes the running one (a
+        module's P/D servers come up while its colocated reference answers, a server its later
+        tests need while the first ones run). An alongside server nobody asked for by the end
+        of the module is stopped then (`drop_unclaimed`)."""
         claimed: list[Service | None] = []
         for spec in specs:
-            match = next((item for item in pending if item[0] == spec), None)
+            match = next((item for item in self._pending if item[0] == spec), None)
             if match is not None:
-                pending.remove(match)
+                self._pending.remove(match)
             claimed.append(match[1] if match else None)
-        if pending:
-            self.stop(*(service for _, service in pending))
         fresh = [in_one_process(spec) for spec, had in zip(specs, claimed, strict=True) if had is None]
         asked = list(alongside)
         later = [in_one_process(spec) for spec in asked]
@@ -84,23 +82,30 @@ class VllmServers:
         self.running += started
         new = iter(started)
         services = [had if had is not None else next(new) for had in claimed]
-        self._pending = list(zip(asked, new, strict=True))  # as asked: the next start compares specs
+        self._pending += list(zip(asked, new, strict=True))  # as asked: a later start compares specs
         try:
             wait_ready(services, timeout_s)
         except BaseException:
-            self.stop(*services, *(service for _, service in self._pending))
-            self._pending = []
+            self.stop(*services)  # those alongside wait for a later start or the module's end
             raise
         return services
+
+    def drop_unclaimed(self) -> None:
+        """Stop the servers started alongside that no `start` took over."""
+        pending, self._pending = self._pending, []
+        if pending:
+            self.stop(*(service for _, service in pending))
 
     def stop(self, *services: Service) -> None:
         chosen = list(services) or list(self.running)
         stop_servers(chosen)
         self.running = [s for s in self.running if s not in chosen]
+        self._pending = [(spec, s) for spec, s in self._pending if s not in chosen]
 
-    def serve(self, *specs: VllmServerSpec) -> Iterator[list[Service]]:
-        """Start `specs`, yield their services, stop them: the body of a module's server fixture."""
-        services = self.start(*specs)
+    def serve(self, *specs: VllmServerSpec, alongside: Iterable[VllmServerSpec] = ()) -> Iterator[list[Service]]:
+        """Start `specs`, yield their services, stop them: the body of a module's server fixture
+        (`alongside`: as in `start`)."""
+        services = self.start(*specs, alongside=alongside)
         try:
             yield services
         finally:
@@ -159,6 +164,12 @@ def vllm_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServe
         yield servers
     finally:
         servers.stop()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _unclaimed_servers_end_with_their_module(vllm_servers: VllmServers) -> Iterator[None]:
+    yield
+    vllm_servers.drop_unclaimed()
 
 
 @pytest.fixture(scope="session")

@@ -156,19 +156,9 @@ def colocated(vllm_servers: VllmServers, smollm2_server: Service) -> Colocated:
     return answers
 
 
-def test_unknown_extra_config_key_refuses_to_start(vllm_servers: VllmServers, smollm2_dir: Path) -> None:
-    config = kvlink_transfer_config(vllm_servers.side_channel_port(), lease_second=5)
-    spec = VllmServerSpec(model=smollm2_dir, port=vllm_servers.http_port(), cores="1", kv_transfer_config=config,
-                          enforce_eager=True, env={"KVLINK_SECRET": new_secret()}, name="kvlink-bad-config")
-    with pytest.raises(RuntimeError):
-        vllm_servers.start(spec, timeout_s=240)
-    log = (vllm_servers.log_dir / "kvlink-bad-config.log").read_text(errors="replace")
-    assert "unknown kv_connector_extra_config keys ['lease_second']" in log
-    assert "known keys:" in log and "lease_s" in log
-
-
 @pytest.fixture(scope="module")
-def pd(vllm_servers: VllmServers, smollm2_dir: Path, colocated: Colocated) -> Iterator[PD]:
+def pd_specs(vllm_servers: VllmServers, smollm2_dir: Path) -> tuple[list[VllmServerSpec], dict[str, int]]:
+    """The module's P/D servers a, b, c, e (one secret) and their metrics ports."""
     secret = new_secret()
     ports = {name: vllm_servers.side_channel_port() + 40 for name in "abce"}
 
@@ -181,8 +171,30 @@ def pd(vllm_servers: VllmServers, smollm2_dir: Path, colocated: Colocated) -> It
                               enforce_eager=True,
                               kv_transfer_config=config, env={"KVLINK_SECRET": secret}, name=f"kvlink-{name}")
 
-    a, b, c, e = vllm_servers.start(spec("a", 128, "0", "fail"), spec("b", 128, "1", "fail"),
-                                    spec("c", 32, "0", "recompute"), spec("e", 32, "1", "fail"))
+    specs = [spec("a", 128, "0", "fail"), spec("b", 128, "1", "fail"),
+             spec("c", 32, "0", "recompute"), spec("e", 32, "1", "fail")]
+    return specs, ports
+
+
+def test_unknown_extra_config_key_refuses_to_start(vllm_servers: VllmServers, smollm2_dir: Path,
+                                                   colocated: Colocated,
+                                                   pd_specs: tuple[list[VllmServerSpec], dict[str, int]]) -> None:
+    """(Three of the module's P/D servers start meanwhile: four servers at most.)"""
+    config = kvlink_transfer_config(vllm_servers.side_channel_port(), lease_second=5)
+    spec = VllmServerSpec(model=smollm2_dir, port=vllm_servers.http_port(), cores="1", kv_transfer_config=config,
+                          enforce_eager=True, env={"KVLINK_SECRET": new_secret()}, name="kvlink-bad-config")
+    with pytest.raises(RuntimeError):
+        vllm_servers.start(spec, timeout_s=240, alongside=pd_specs[0][:3])
+    log = (vllm_servers.log_dir / "kvlink-bad-config.log").read_text(errors="replace")
+    assert "unknown kv_connector_extra_config keys ['lease_second']" in log
+    assert "known keys:" in log and "lease_s" in log
+
+
+@pytest.fixture(scope="module")
+def pd(vllm_servers: VllmServers, pd_specs: tuple[list[VllmServerSpec], dict[str, int]],
+       colocated: Colocated) -> Iterator[PD]:
+    specs, ports = pd_specs
+    a, b, c, e = vllm_servers.start(*specs)
     yield PD(a, b, c, e, ports, served_model(a.url))
     vllm_servers.stop(a, b, c, e)
 

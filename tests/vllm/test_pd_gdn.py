@@ -56,16 +56,31 @@ def pair_specs(vllm_servers: VllmServers, gdn_dir: Path) -> list[VllmServerSpec]
 
 
 @pytest.fixture(scope="module")
-def references(vllm_servers: VllmServers, gdn_dir: Path, pair_specs: list[VllmServerSpec]) -> list[list[int]]:
+def references(vllm_servers: VllmServers, gdn_dir: Path, pair_specs: list[VllmServerSpec],
+               ds_spec: VllmServerSpec) -> list[list[int]]:
     spec = VllmServerSpec(model=gdn_dir, port=vllm_servers.http_port(), cores="0", enforce_eager=True,
                           dtype="bfloat16", args=GDN_ARGS, name="gdn-colocated")
-    return vllm_servers.colocated_answers(spec, PROMPTS, alongside=pair_specs)
+    return vllm_servers.colocated_answers(spec, PROMPTS, alongside=[*pair_specs, ds_spec])
 
 
 @pytest.fixture(scope="module")
-def gdn_pair(vllm_servers: VllmServers, pair_specs: list[VllmServerSpec],
+def ds_spec(vllm_servers: VllmServers, gdn_dir: Path) -> VllmServerSpec:
+    """A server keeping the GDN conv state channel-first (DS), in the pair's secret."""
+    return vllm_servers.kvlink_spec(gdn_dir, "gdn-ds", "0", GDN_SECRET, dtype="bfloat16", args=GDN_ARGS,
+                                    env={"VLLM_SSM_CONV_STATE_LAYOUT": "DS"})
+
+
+@pytest.fixture(scope="module")
+def wide_spec(vllm_servers: VllmServers, gdn_dir: Path) -> VllmServerSpec:
+    """A server of 1280-token blocks (the pair's are vLLM's 640), in the pair's secret."""
+    return vllm_servers.kvlink_spec(gdn_dir, "gdn-wide", "0", GDN_SECRET, dtype="bfloat16", args=GDN_ARGS,
+                                    block_size=WIDE_BLOCK)
+
+
+@pytest.fixture(scope="module")
+def gdn_pair(vllm_servers: VllmServers, pair_specs: list[VllmServerSpec], wide_spec: VllmServerSpec,
              references: list[list[int]]) -> Iterator[list[Service]]:
-    yield from vllm_servers.serve(*pair_specs)
+    yield from vllm_servers.serve(*pair_specs, alongside=[wide_spec])  # the colocated server has made room
 
 
 def test_the_reference_text_depends_on_the_prompt(references: list[list[int]]) -> None:
@@ -85,13 +100,9 @@ def test_gdn_pd_equals_colocated(gdn_pair: list[Service], references: list[list[
 
 
 @pytest.fixture(scope="module")
-def gdn_ds(vllm_servers: VllmServers, gdn_dir: Path, gdn_pair: list[Service]) -> Iterator[Service]:
-    """A server keeping the GDN conv state channel-first (DS), in the pair's secret."""
-    spec = vllm_servers.kvlink_spec(gdn_dir, "gdn-ds", "0", GDN_SECRET, dtype="bfloat16", args=GDN_ARGS,
-                                    env={"VLLM_SSM_CONV_STATE_LAYOUT": "DS"})
-    (server,) = vllm_servers.start(spec)
-    yield server
-    vllm_servers.stop(server)
+def gdn_ds(vllm_servers: VllmServers, ds_spec: VllmServerSpec, gdn_pair: list[Service]) -> Iterator[Service]:
+    for (server,) in vllm_servers.serve(ds_spec):
+        yield server
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
@@ -127,10 +138,8 @@ WIDE_BLOCK = 1280  # vLLM keeps a --block-size above the one it sizes for the GD
 
 
 @pytest.fixture(scope="class")
-def gdn_wide(vllm_servers: VllmServers, gdn_dir: Path, gdn_pair: list[Service]) -> Iterator[Service]:
-    """A server of 1280-token blocks (the pair's are vLLM's 640), in the pair's secret."""
-    for (server,) in vllm_servers.serve(vllm_servers.kvlink_spec(
-            gdn_dir, "gdn-wide", "0", GDN_SECRET, dtype="bfloat16", args=GDN_ARGS, block_size=WIDE_BLOCK)):
+def gdn_wide(vllm_servers: VllmServers, wide_spec: VllmServerSpec, gdn_pair: list[Service]) -> Iterator[Service]:
+    for (server,) in vllm_servers.serve(wide_spec):
         yield server
 
 

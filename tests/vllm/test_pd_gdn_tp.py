@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from vllm_client import load_through, metric, wait_metric
+from vllm_client import complete, load_through, metric, token_ids, wait_metric
 
 from kvlink.connector.secret import new_secret
 from kvlink.integrations.vllm.launch import VllmServerSpec, served_model
@@ -39,17 +39,22 @@ def gdn_dir() -> Path:
     return tiny_qwen3_next_tp_dir()
 
 
-def _colocated(vllm_servers: VllmServers, gdn_dir: Path, tp: int) -> list[list[int]]:
-    spec = VllmServerSpec(model=gdn_dir, port=vllm_servers.http_port(), cores="0|1" if tp == 2 else "0",
+def _colocated(vllm_servers: VllmServers, gdn_dir: Path, tp: int) -> VllmServerSpec:
+    return VllmServerSpec(model=gdn_dir, port=vllm_servers.http_port(), cores="0|1" if tp == 2 else "0",
                           enforce_eager=True, dtype="bfloat16", args=GDN_ARGS, name=f"gdn-tp{tp}-colocated",
                           tensor_parallel_size=tp)
-    return vllm_servers.colocated_answers(spec, PROMPTS)
 
 
 @pytest.fixture(scope="module")
 def references(vllm_servers: VllmServers, gdn_dir: Path) -> dict[int, list[list[int]]]:
-    """Colocated vLLM's answers at TP 1 and at TP 2 (same flags, no connector)."""
-    return {tp: _colocated(vllm_servers, gdn_dir, tp) for tp in (1, 2)}
+    """Colocated vLLM's answers at TP 1 and at TP 2 (same flags, no connector; both servers
+    started at once)."""
+    started = vllm_servers.start(*(_colocated(vllm_servers, gdn_dir, tp) for tp in (1, 2)))
+    try:
+        return {tp: [token_ids(complete(server.url, served_model(server.url), prompt)) for prompt in PROMPTS]
+                for tp, server in zip((1, 2), started, strict=True)}
+    finally:
+        vllm_servers.stop(*started)
 
 
 SECRET = new_secret()

@@ -69,17 +69,40 @@ def pair_specs(vllm_servers: VllmServers, hybrid_dir: Path, secret: str) -> list
 
 
 @pytest.fixture(scope="module")
-def references(vllm_servers: VllmServers, hybrid_dir: Path,
-               pair_specs: list[VllmServerSpec]) -> dict[str, list[int]]:
-    spec = VllmServerSpec(model=hybrid_dir, port=vllm_servers.http_port(), cores="0", enforce_eager=True,
-                          env=COLOCATED_ENV, args=HYBRID_ARGS, name="hybrid-colocated")
-    return vllm_servers.colocated_token_ids(spec, tagged(), alongside=pair_specs)
+def spec_64(vllm_servers: VllmServers, hybrid_dir: Path, secret: str) -> VllmServerSpec:
+    """A server of 64-token blocks (the pair's are vLLM's default 128)."""
+    return vllm_servers.kvlink_spec(hybrid_dir, "hybrid-64", "1", secret, args=HYBRID_ARGS, block_size=64)
 
 
 @pytest.fixture(scope="module")
-def hybrid_pair(vllm_servers: VllmServers, pair_specs: list[VllmServerSpec],
+def tp2_spec(vllm_servers: VllmServers, hybrid_dir: Path, secret: str) -> VllmServerSpec:
+    """A TP 2 server (one core per rank) in the pair's secret: P for hybrid-d, D for hybrid-p."""
+    spec = vllm_servers.kvlink_spec(hybrid_dir, "hybrid-tp2", "0|1", secret, args=HYBRID_ARGS, tensor_parallel_size=2)
+    vllm_servers.side_channel_port()  # rank 1 listens on the next port
+    return spec
+
+
+@pytest.fixture(scope="module")
+def ds_spec(vllm_servers: VllmServers, hybrid_dir: Path, secret: str) -> VllmServerSpec:
+    """A TP 2 server keeping the conv state channel-first (DS), next to the others' default SD."""
+    spec = vllm_servers.kvlink_spec(hybrid_dir, "hybrid-tp2-ds", "0|1", secret, env=COLOCATED_ENV,
+                                    args=HYBRID_ARGS, tensor_parallel_size=2)
+    vllm_servers.side_channel_port()  # rank 1 listens on the next port
+    return spec
+
+
+@pytest.fixture(scope="module")
+def references(vllm_servers: VllmServers, hybrid_dir: Path, pair_specs: list[VllmServerSpec],
+               spec_64: VllmServerSpec) -> dict[str, list[int]]:
+    spec = VllmServerSpec(model=hybrid_dir, port=vllm_servers.http_port(), cores="0", enforce_eager=True,
+                          env=COLOCATED_ENV, args=HYBRID_ARGS, name="hybrid-colocated")
+    return vllm_servers.colocated_token_ids(spec, tagged(), alongside=[*pair_specs, spec_64])
+
+
+@pytest.fixture(scope="module")
+def hybrid_pair(vllm_servers: VllmServers, pair_specs: list[VllmServerSpec], tp2_spec: VllmServerSpec,
                 references: dict[str, list[int]]) -> Iterator[list[Service]]:
-    yield from vllm_servers.serve(*pair_specs)
+    yield from vllm_servers.serve(*pair_specs, alongside=[tp2_spec])  # the colocated server has made room
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
@@ -113,11 +136,9 @@ def test_hybrid_layerwise_through_kvlink_proxy_equals_colocated(hybrid_pair: lis
 
 
 @pytest.fixture(scope="class")
-def hybrid_64(vllm_servers: VllmServers, hybrid_dir: Path, secret: str,
-              hybrid_pair: list[Service]) -> Iterator[Service]:
-    """A server of 64-token blocks (the pair's are vLLM's default 128), for the class below only."""
-    for (server,) in vllm_servers.serve(vllm_servers.kvlink_spec(
-            hybrid_dir, "hybrid-64", "1", secret, args=HYBRID_ARGS, block_size=64)):
+def hybrid_64(vllm_servers: VllmServers, spec_64: VllmServerSpec, hybrid_pair: list[Service]) -> Iterator[Service]:
+    """The 64-token server, for the class below only."""
+    for (server,) in vllm_servers.serve(spec_64):
         yield server
 
 
@@ -155,14 +176,10 @@ class TestBetweenBlockSizes:
 
 
 @pytest.fixture(scope="module")
-def hybrid_tp2(vllm_servers: VllmServers, hybrid_dir: Path, secret: str,
+def hybrid_tp2(vllm_servers: VllmServers, tp2_spec: VllmServerSpec, ds_spec: VllmServerSpec,
                hybrid_pair: list[Service]) -> Iterator[Service]:
-    """A TP 2 server (one core per rank) in the pair's secret: P for hybrid-d, D for hybrid-p."""
-    spec = vllm_servers.kvlink_spec(hybrid_dir, "hybrid-tp2", "0|1", secret, args=HYBRID_ARGS, tensor_parallel_size=2)
-    vllm_servers.side_channel_port()  # rank 1 listens on the next port
-    (server,) = vllm_servers.start(spec)
-    yield server
-    vllm_servers.stop(server)
+    for (server,) in vllm_servers.serve(tp2_spec, alongside=[ds_spec]):
+        yield server
 
 
 @pytest.mark.parametrize("direction", TP_DIRECTIONS)
@@ -184,15 +201,9 @@ def test_hybrid_heterogeneous_tp_equals_colocated(hybrid_pair: list[Service], hy
 
 
 @pytest.fixture(scope="module")
-def hybrid_ds(vllm_servers: VllmServers, hybrid_dir: Path, secret: str,
-              hybrid_tp2: Service) -> Iterator[Service]:
-    """A TP 2 server keeping the conv state channel-first (DS), next to the others' default SD."""
-    spec = vllm_servers.kvlink_spec(hybrid_dir, "hybrid-tp2-ds", "0|1", secret, env=COLOCATED_ENV,
-                                    args=HYBRID_ARGS, tensor_parallel_size=2)
-    vllm_servers.side_channel_port()  # rank 1 listens on the next port
-    (server,) = vllm_servers.start(spec)
-    yield server
-    vllm_servers.stop(server)
+def hybrid_ds(vllm_servers: VllmServers, ds_spec: VllmServerSpec, hybrid_tp2: Service) -> Iterator[Service]:
+    for (server,) in vllm_servers.serve(ds_spec):
+        yield server
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])

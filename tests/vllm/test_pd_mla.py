@@ -86,7 +86,17 @@ def pair_specs(vllm_servers: VllmServers, mla_dir: Path, secret: str) -> list[Vl
 
 
 @pytest.fixture(scope="module")
-def references(vllm_servers: VllmServers, mla_dir: Path, pair_specs: list[VllmServerSpec]) -> dict[str, Reference]:
+def tp2_spec(vllm_servers: VllmServers, mla_dir: Path, secret: str) -> VllmServerSpec:
+    """A TP 2 server (one core per rank) of the first server's block size, next to the TP 1 ones."""
+    spec = vllm_servers.kvlink_spec(mla_dir, f"mla-tp2-block{BLOCKS[0]}", "0|1", secret, block_size=BLOCKS[0],
+                                    dtype=MODEL_DTYPE, tensor_parallel_size=2, args=BACKEND_ARGS)
+    vllm_servers.side_channel_port()  # rank 1 listens on the next port
+    return spec
+
+
+@pytest.fixture(scope="module")
+def references(vllm_servers: VllmServers, mla_dir: Path, pair_specs: list[VllmServerSpec],
+               tp2_spec: VllmServerSpec) -> dict[str, Reference]:
     """Per prompt: (the P/D prompt, colocated vLLM's answer on D's compute path).
 
     D computes the last prompt token as a decode step over the loaded latents; colocated vLLM
@@ -96,7 +106,8 @@ def references(vllm_servers: VllmServers, mla_dir: Path, pair_specs: list[VllmSe
     (prefilled latents of the text, g0 decoded), token for token."""
     spec = VllmServerSpec(model=mla_dir, port=vllm_servers.http_port(), cores="0", enforce_eager=True,
                           dtype=MODEL_DTYPE, block_size=BLOCKS[0], name="mla-colocated", args=BACKEND_ARGS)
-    (server,) = vllm_servers.start(spec, alongside=pair_specs)
+    later = [tp2_spec] if len(pair_specs) < 3 else []  # the TP 2 server too, where it fits
+    (server,) = vllm_servers.start(spec, alongside=[*pair_specs, *later])
     try:
         model = served_model(server.url)
         refs = {}
@@ -218,11 +229,8 @@ def test_follows_colocated_on_ds_path(answers: dict, references: dict[str, Refer
 # ---- heterogeneous TP: the latent is the same on every rank -----------------------------
 
 @pytest.fixture(scope="module")
-def tp2(vllm_servers: VllmServers, mla_dir: Path, secret: str, servers: list[Service]) -> Iterator[Service]:
-    """A TP 2 server (one core per rank) of the first server's block size, next to the TP 1 ones."""
-    yield from (s for (s,) in vllm_servers.serve(vllm_servers.kvlink_spec(
-        mla_dir, f"mla-tp2-block{BLOCKS[0]}", "0|1", secret, block_size=BLOCKS[0], dtype=MODEL_DTYPE,
-        tensor_parallel_size=2, args=BACKEND_ARGS)))
+def tp2(vllm_servers: VllmServers, tp2_spec: VllmServerSpec, servers: list[Service]) -> Iterator[Service]:
+    yield from (s for (s,) in vllm_servers.serve(tp2_spec))
 
 
 # Answers are not compared here: in bf16 a TP 2 engine's latents and attention round

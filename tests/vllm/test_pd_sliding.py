@@ -104,17 +104,32 @@ def pair_specs(vllm_servers: VllmServers, gemma_dir: Path, secret: str) -> list[
 
 
 @pytest.fixture(scope="module")
-def references(vllm_servers: VllmServers, gemma_dir: Path,
-               pair_specs: list[VllmServerSpec]) -> dict[str, list[int]]:
-    spec = VllmServerSpec(model=gemma_dir, port=vllm_servers.http_port(), block_size=BLOCK, cores="0",
-                          enforce_eager=True, args=ARGS, name="swa-colocated")
-    return vllm_servers.colocated_token_ids(spec, tagged(), alongside=pair_specs)
+def spec_64(vllm_servers: VllmServers, gemma_dir: Path, secret: str) -> VllmServerSpec:
+    """A server of 64-token blocks (allocator on)."""
+    return vllm_servers.kvlink_spec(gemma_dir, "swa-64", "1", secret, block_size=2 * BLOCK, args=ARGS)
 
 
 @pytest.fixture(scope="module")
-def pair(vllm_servers: VllmServers, pair_specs: list[VllmServerSpec],
+def off_specs(vllm_servers: VllmServers, gemma_dir: Path) -> list[VllmServerSpec]:
+    """Two servers with the hybrid allocator off, of 32- and 64-token blocks, in a secret of their own."""
+    secret = new_secret()
+    return [vllm_servers.kvlink_spec(gemma_dir, f"swa-off-{block}", cores, secret, block_size=block, args=OFF_ARGS)
+            for block, cores in ((BLOCK, "0"), (2 * BLOCK, "1"))]
+
+
+@pytest.fixture(scope="module")
+def references(vllm_servers: VllmServers, gemma_dir: Path, pair_specs: list[VllmServerSpec],
+               spec_64: VllmServerSpec) -> dict[str, list[int]]:
+    spec = VllmServerSpec(model=gemma_dir, port=vllm_servers.http_port(), block_size=BLOCK, cores="0",
+                          enforce_eager=True, args=ARGS, name="swa-colocated")
+    return vllm_servers.colocated_token_ids(spec, tagged(), alongside=[*pair_specs, spec_64])
+
+
+@pytest.fixture(scope="module")
+def pair(vllm_servers: VllmServers, pair_specs: list[VllmServerSpec], off_specs: list[VllmServerSpec],
          references: dict[str, list[int]]) -> Iterator[PdPair]:
-    for services in vllm_servers.serve(*pair_specs):
+    # the colocated server has made room for the first allocator-off server
+    for services in vllm_servers.serve(*pair_specs, alongside=off_specs[:1]):
         p, d = services
         yield PdPair(p, d, served_model(p.url))
 
@@ -181,10 +196,9 @@ def test_d_prefix_hit_moves_only_the_missing_part(pair: PdPair, references: dict
 
 
 @pytest.fixture(scope="class")
-def big(vllm_servers: VllmServers, gemma_dir: Path, pair: PdPair, secret: str) -> Iterator[Service]:
-    """A server of 64-token blocks (allocator on), for the class below only."""
-    for (server,) in vllm_servers.serve(vllm_servers.kvlink_spec(
-            gemma_dir, "swa-64", "1", secret, block_size=2 * BLOCK, args=ARGS)):
+def big(vllm_servers: VllmServers, spec_64: VllmServerSpec, pair: PdPair) -> Iterator[Service]:
+    """The 64-token server, for the class below only."""
+    for (server,) in vllm_servers.serve(spec_64):
         yield server
 
 
@@ -236,11 +250,9 @@ class TestBetweenBlockSizes:
 # without prefix caching, answer a prompt themselves before they load that prompt's KV; between
 # block sizes D reads whole P blocks into staging pages and re-lays them out.
 @pytest.fixture(scope="module")
-def allocator_off(vllm_servers: VllmServers, gemma_dir: Path, pair: PdPair) -> Iterator[dict[int, Service]]:
-    secret = new_secret()
-    for services in vllm_servers.serve(*(
-            vllm_servers.kvlink_spec(gemma_dir, f"swa-off-{block}", cores, secret, block_size=block, args=OFF_ARGS)
-            for block, cores in ((BLOCK, "0"), (2 * BLOCK, "1")))):
+def allocator_off(vllm_servers: VllmServers, off_specs: list[VllmServerSpec],
+                  pair: PdPair) -> Iterator[dict[int, Service]]:
+    for services in vllm_servers.serve(*off_specs):
         yield {BLOCK: services[0], 2 * BLOCK: services[1]}
 
 

@@ -1,5 +1,6 @@
 """The vLLM test harness's own logic (no vLLM process): servers started alongside a reference
-are taken over by the next start of an equal spec, and stopped when it does not ask for them."""
+are taken over by a later start of an equal spec, and stopped at the end of the module when
+nobody asked for them."""
 
 from __future__ import annotations
 
@@ -46,6 +47,14 @@ def test_alongside_servers_are_taken_over_or_stopped(harness: Any) -> None:
     assert events == ["start ref --distributed-executor-backend uni", "start p", "start d", "wait ref"]
     servers.stop(ref)
     events.clear()
-    got = servers.start(spec("d"), spec("x"))  # d is taken over, p is nobody's: stopped
+    got = servers.start(spec("d"), spec("x"), alongside=[spec("y")])  # d is taken over, p waits
     assert [s.name for s in got] == ["d", "x"]
-    assert events == ["stop p", "start x", "wait d x"]
+    assert events == ["start x", "start y", "wait d x"]
+    events.clear()
+    (y,) = servers.start(spec("y"))  # started alongside the last start: taken over
+    assert y.name == "y" and events == ["wait y"]
+    events.clear()
+    servers.drop_unclaimed()  # the end of the module: p was never asked for
+    assert events == ["stop p"]
+    servers.drop_unclaimed()
+    assert events == ["stop p"]
