@@ -78,9 +78,9 @@ def wide_spec(vllm_servers: VllmServers, gdn_dir: Path) -> VllmServerSpec:
 
 
 @pytest.fixture(scope="module")
-def gdn_pair(vllm_servers: VllmServers, pair_specs: list[VllmServerSpec], wide_spec: VllmServerSpec,
+def gdn_pair(vllm_servers: VllmServers, pair_specs: list[VllmServerSpec],
              references: list[list[int]]) -> Iterator[list[Service]]:
-    yield from vllm_servers.serve(*pair_specs, alongside=[wide_spec])  # the colocated server has made room
+    yield from vllm_servers.serve(*pair_specs)
 
 
 def test_the_reference_text_depends_on_the_prompt(references: list[list[int]]) -> None:
@@ -137,6 +137,8 @@ def test_gdn_layerwise_over_a_chunked_prefill_equals_colocated(gdn_pair: list[Se
 WIDE_BLOCK = 1280  # vLLM keeps a --block-size above the one it sizes for the GDN page (640 here)
 
 
+# Started for its class, not while the tests before it run: a server starting beside P takes
+# its core, and the layerwise test counts P's WRITEs during the forward.
 @pytest.fixture(scope="class")
 def gdn_wide(vllm_servers: VllmServers, wide_spec: VllmServerSpec, gdn_pair: list[Service]) -> Iterator[Service]:
     for (server,) in vllm_servers.serve(wide_spec):

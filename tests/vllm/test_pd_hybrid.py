@@ -100,9 +100,9 @@ def references(vllm_servers: VllmServers, hybrid_dir: Path, pair_specs: list[Vll
 
 
 @pytest.fixture(scope="module")
-def hybrid_pair(vllm_servers: VllmServers, pair_specs: list[VllmServerSpec], tp2_spec: VllmServerSpec,
+def hybrid_pair(vllm_servers: VllmServers, pair_specs: list[VllmServerSpec],
                 references: dict[str, list[int]]) -> Iterator[list[Service]]:
-    yield from vllm_servers.serve(*pair_specs, alongside=[tp2_spec])  # the colocated server has made room
+    yield from vllm_servers.serve(*pair_specs)
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
@@ -136,9 +136,12 @@ def test_hybrid_layerwise_through_kvlink_proxy_equals_colocated(hybrid_pair: lis
 
 
 @pytest.fixture(scope="class")
-def hybrid_64(vllm_servers: VllmServers, spec_64: VllmServerSpec, hybrid_pair: list[Service]) -> Iterator[Service]:
-    """The 64-token server, for the class below only."""
-    for (server,) in vllm_servers.serve(spec_64):
+def hybrid_64(vllm_servers: VllmServers, spec_64: VllmServerSpec, tp2_spec: VllmServerSpec,
+              hybrid_pair: list[Service]) -> Iterator[Service]:
+    """The 64-token server, for the class below only. The TP 2 server starts meanwhile: after
+    the layerwise test, which counts P's WRITEs during the forward (a server starting beside P
+    takes its core; seen in a full suite run: one WRITE per request)."""
+    for (server,) in vllm_servers.serve(spec_64, alongside=[tp2_spec]):
         yield server
 
 

@@ -126,10 +126,9 @@ def references(vllm_servers: VllmServers, gemma_dir: Path, pair_specs: list[Vllm
 
 
 @pytest.fixture(scope="module")
-def pair(vllm_servers: VllmServers, pair_specs: list[VllmServerSpec], off_specs: list[VllmServerSpec],
+def pair(vllm_servers: VllmServers, pair_specs: list[VllmServerSpec],
          references: dict[str, list[int]]) -> Iterator[PdPair]:
-    # the colocated server has made room for the first allocator-off server
-    for services in vllm_servers.serve(*pair_specs, alongside=off_specs[:1]):
+    for services in vllm_servers.serve(*pair_specs):
         p, d = services
         yield PdPair(p, d, served_model(p.url))
 
@@ -196,9 +195,12 @@ def test_d_prefix_hit_moves_only_the_missing_part(pair: PdPair, references: dict
 
 
 @pytest.fixture(scope="class")
-def big(vllm_servers: VllmServers, spec_64: VllmServerSpec, pair: PdPair) -> Iterator[Service]:
-    """The 64-token server, for the class below only."""
-    for (server,) in vllm_servers.serve(spec_64):
+def big(vllm_servers: VllmServers, spec_64: VllmServerSpec, off_specs: list[VllmServerSpec],
+        pair: PdPair) -> Iterator[Service]:
+    """The 64-token server, for the class below only. The first allocator-off server starts
+    meanwhile: after the layerwise test, which counts P's WRITEs during the forward (a server
+    starting beside P takes its core)."""
+    for (server,) in vllm_servers.serve(spec_64, alongside=off_specs[:1]):
         yield server
 
 
