@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from vllm_client import complete, load_through, metric, token_ids, wait_metric
+from vllm_client import load_through, metric, wait_metric
 
 from kvlink.connector.secret import new_secret
 from kvlink.integrations.vllm.launch import VllmServerSpec, served_model
@@ -49,12 +49,9 @@ def _colocated(vllm_servers: VllmServers, gdn_dir: Path, tp: int) -> VllmServerS
 def references(vllm_servers: VllmServers, gdn_dir: Path) -> dict[int, list[list[int]]]:
     """Colocated vLLM's answers at TP 1 and at TP 2 (same flags, no connector; both servers
     started at once)."""
-    started = vllm_servers.start(*(_colocated(vllm_servers, gdn_dir, tp) for tp in (1, 2)))
-    try:
-        return {tp: [token_ids(complete(server.url, served_model(server.url), prompt)) for prompt in PROMPTS]
-                for tp, server in zip((1, 2), started, strict=True)}
-    finally:
-        vllm_servers.stop(*started)
+    tp1, tp2 = (_colocated(vllm_servers, gdn_dir, tp) for tp in (1, 2))
+    return {1: vllm_servers.colocated_answers(tp1, PROMPTS, alongside=[tp2]),
+            2: vllm_servers.colocated_answers(tp2, PROMPTS)}
 
 
 SECRET = new_secret()
