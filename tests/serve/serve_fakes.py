@@ -29,6 +29,7 @@ class FakeSampling:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
 
 
 @dataclass

@@ -73,6 +73,12 @@ def test_bad_requests_get_openai_style_400s(fake_app: Any) -> None:
         ({"prompt": "x", "top_k": 5}, "top_k=5 is not supported"),
         ({"prompt": "x", "repetition_penalty": True}, "repetition_penalty=True is not supported"),
         ({"prompt": "x", "logit_bias": {"7": 3}}, "logit_bias"),
+        ({"prompt": "x", "min_tokens": 4}, "min_tokens=4 is not supported"),
+        ({"prompt": "x", "include_stop_str_in_output": True}, "include_stop_str_in_output=True"),
+        ({"prompt": "x", "skip_special_tokens": False}, "skip_special_tokens=False"),
+        ({"prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
+        ({"prompt": "x", "stop_token_ids": [3, -1]}, "stop_token_ids"),
+        ({"prompt": "x", "ignore_eos": "maybe"}, "ignore_eos"),
     ]
     with TestClient(fake_app) as client:
         for request, expected in cases:
@@ -87,7 +93,8 @@ def test_sampling_knobs_at_their_neutral_value_are_accepted(fake_app: Any) -> No
     """Clients send the OpenAI defaults of knobs we do not implement: those mean "off" and pass;
     NaN (which Python's JSON reads) is no neutral value."""
     neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1, "top_k": -1,
-               "min_p": 0, "best_of": 1, "logit_bias": {}, "user": "u"}
+               "min_p": 0, "best_of": 1, "logit_bias": {}, "user": "u", "min_tokens": 0,
+               "include_stop_str_in_output": False, "skip_special_tokens": True, "guided_json": None}
     with TestClient(fake_app) as client:
         assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, **neutral}).status_code == 200
         chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "top_k": 0}
@@ -95,6 +102,17 @@ def test_sampling_knobs_at_their_neutral_value_are_accepted(fake_app: Any) -> No
         nan = client.post("/v1/completions", content=b'{"prompt": "x", "frequency_penalty": NaN}',
                           headers={"content-type": "application/json"})
         assert nan.status_code == 400 and "frequency_penalty=nan" in nan.json()["error"]["message"]
+
+
+def test_ignore_eos_and_stop_token_ids_reach_the_engine(fake_app: Any, fake_engine: Any) -> None:
+    """vLLM's `ignore_eos` and `stop_token_ids` are honoured, not dropped: the engine gets the
+    end-of-sequence token as a stop token unless `ignore_eos`, plus the client's stop ids."""
+    with TestClient(fake_app) as client:
+        for body in ({}, {"ignore_eos": True}, {"stop_token_ids": [7, 5]},
+                     {"ignore_eos": True, "stop_token_ids": [9]}):
+            assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, **body}).status_code == 200
+    sent = [(s.stop_token_ids, s.ignore_eos) for _, s, _ in fake_engine.seen.values()]
+    assert sent == [((0,), False), ((), True), ((0, 5, 7), False), ((9,), True)]
 
 
 @pytest.mark.parametrize(("prompt", "status", "code"), [

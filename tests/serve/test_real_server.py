@@ -13,6 +13,8 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
+from kvlink.engine.model import smollm2_gguf_path
+from kvlink.engine.tokenizer import Tokenizer
 from kvlink.procs.launcher import free_port
 
 openai = pytest.importorskip("openai")
@@ -147,3 +149,30 @@ def test_chat_answers_and_stops_at_eos(client: openai.OpenAI) -> None:
                                             temperature=0)
     assert "Paris" in (answer.choices[0].message.content or "")
     assert answer.choices[0].finish_reason == "stop"
+
+
+def test_ignore_eos_generates_past_the_end_and_stop_token_ids_stop(client: openai.OpenAI) -> None:
+    """vLLM's extensions, as vLLM does them: `ignore_eos` runs to `max_tokens` through the
+    end-of-sequence token (the text leaves the special token out); `stop_token_ids` ends the
+    answer at the first of them (left out of the text, counted as generated)."""
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    short = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    assert short.choices[0].finish_reason == "stop" and short.usage is not None
+    long = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert long.choices[0].finish_reason == "length"
+    assert long.usage is not None and long.usage.completion_tokens == 24
+    text = long.choices[0].message.content or ""
+    assert text.startswith(short.choices[0].message.content or "") and "<|im_end|>" not in text
+
+    tokenizer = Tokenizer.from_gguf(smollm2_gguf_path())
+    prompt = "The capital of France is"
+    greedy = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0).choices[0].text
+    ids = tokenizer.encode(greedy)
+    assert tokenizer.decode(ids) == greedy
+    k = next(k for k in range(1, len(ids)) if ids[k] not in ids[:k])  # a token not generated before
+    cut = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                    extra_body={"stop_token_ids": [ids[k]]})
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == tokenizer.decode(ids[:k])
+    assert cut.usage is not None and cut.usage.completion_tokens == k + 1

@@ -98,9 +98,12 @@ def build_app(
         nonlocal make_sampling
         if make_sampling is None:
             make_sampling = engine_sampling_params()
+        stop_ids = set(body.stop_token_ids or ())
+        if not body.ignore_eos:
+            stop_ids |= set(tokenizer.eos_token_ids)
         return make_sampling(
             max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-            seed=body.seed, stop_token_ids=tuple(sorted(tokenizer.eos_token_ids)),
+            seed=body.seed, stop_token_ids=tuple(sorted(stop_ids)), ignore_eos=body.ignore_eos,
         )
 
     async def release_prefilled(

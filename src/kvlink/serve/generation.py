@@ -125,7 +125,10 @@ async def generate_pieces(
                 _transfer_figures(output, summary)
                 if output.error:
                     raise GenerationFailed(str(output.error), getattr(output, "error_kind", None))
-                text = stops.push("".join(decoder.push(token) for token in new_ids))
+                # A stop token (end of sequence or one of `stop_token_ids`) ends the answer and is
+                # counted, but its text is not part of it.
+                shown = new_ids[:-1] if output.finished and output.finish_reason == "stop" else new_ids
+                text = stops.push("".join(decoder.push(token) for token in shown))
                 if stops.stopped:
                     summary.finish_reason = "stop"
                     outcome = "ok"

@@ -3,7 +3,8 @@
 Only the fields kvlink acts on are declared; unknown fields are ignored (clients
 send many), but features we cannot honour (`n > 1`, `logprobs`, `echo`, and the sampling
 knobs in `UNHONOURED` set to anything but their neutral value) are refused with a 400
-rather than silently dropped.
+rather than silently dropped. Of vLLM's extensions, `ignore_eos` and `stop_token_ids` are
+honoured.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ class StreamOptions(BaseModel):
 UNHONOURED: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
     "top_k": (None, 0, -1), "min_p": (None, 0), "best_of": (None, 1), "logit_bias": (None, {}),
+    "min_tokens": (None, 0), "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
+    "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,), "bad_words": (None, []),
+    "allowed_token_ids": (None,), "guided_json": (None,), "guided_regex": (None,),
+    "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,),
 }
 
 
@@ -37,9 +42,14 @@ class _SamplingFields(BaseModel):
             for name, neutral in UNHONOURED.items():
                 value = data.get(name)
                 # bool is an int: `true` is not the neutral 1; NaN equals nothing, so it is refused.
-                if isinstance(value, bool) or not any(value == n for n in neutral):
+                if isinstance(value, bool):
+                    neutral_value = any(value is n for n in neutral)
+                else:
+                    neutral_value = any(value == n for n in neutral if not isinstance(n, bool))
+                if not neutral_value:
                     raise ValueError(f"{name}={value!r} is not supported (kvlink samples with temperature, "
-                                     f"top_p and seed only); leave it out")
+                                     f"top_p and seed, and stops at stop, stop_token_ids or max_tokens); "
+                                     f"leave it out")
         return data
 
     model: str | None = None
@@ -51,6 +61,8 @@ class _SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     n: int = 1
     kv_transfer_params: dict[str, Any] | None = None
+    ignore_eos: bool = False  # vLLM's extension: generate past the end-of-sequence token
+    stop_token_ids: list[int] | None = None  # vLLM's extension: more tokens that end the answer
 
     @field_validator("n")
     @classmethod
@@ -58,6 +70,13 @@ class _SamplingFields(BaseModel):
         if n != 1:
             raise ValueError(f"only n=1 is supported, got n={n}")
         return n
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, ids: list[int] | None) -> list[int] | None:
+        if ids and min(ids) < 0:
+            raise ValueError(f"stop_token_ids must be token ids (>= 0), got {min(ids)}")
+        return ids
 
     @field_validator("stop")
     @classmethod
