@@ -78,6 +78,7 @@ def test_bad_requests_get_openai_style_400s(fake_app: Any) -> None:
         ({"prompt": "x", "skip_special_tokens": False}, "skip_special_tokens=False"),
         ({"prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
         ({"prompt": "x", "stop_token_ids": [3, -1]}, "stop_token_ids"),
+        ({"prompt": "x", "stop_token_ids": list(range(2000))}, "stop_token_ids"),
         ({"prompt": "x", "ignore_eos": "maybe"}, "ignore_eos"),
     ]
     with TestClient(fake_app) as client:

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_STOP_TOKEN_IDS = 1024
 
 
 class StreamOptions(BaseModel):
@@ -62,7 +63,8 @@ class _SamplingFields(BaseModel):
     n: int = 1
     kv_transfer_params: dict[str, Any] | None = None
     ignore_eos: bool = False  # vLLM's extension: generate past the end-of-sequence token
-    stop_token_ids: list[int] | None = None  # vLLM's extension: more tokens that end the answer
+    # vLLM's extension: more tokens that end the answer (each generated token is looked up in them)
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
 
     @field_validator("n")
     @classmethod
