@@ -70,3 +70,46 @@ def test_engine_generates_like_recomputing_from_scratch(llama: LlamaModel) -> No
         engine.check_integrity()
     assert generated == expected
     assert engine.stats()["free_blocks"] == [6]
+
+
+def test_min_tokens_keeps_stop_tokens_out_until_then(llama: LlamaModel) -> None:
+    """With `min_tokens`, a stop token cannot be sampled before that many tokens (vLLM's and
+    transformers' `min_new_tokens` rule): its logit is ruled out, the rest of the choice is
+    unchanged; afterwards it ends the answer again."""
+    prompt = [5, 17, 42, 99, 3, 7, 8, 120, 33, 61, 77]
+
+    def reference(stop: set[int], min_tokens: int, steps: int) -> list[int]:
+        out: list[int] = []
+        for _ in range(steps):
+            caches = allocate_kv_caches(LlamaPagedModel(llama).spec, 1, KERNEL_BLOCK, KERNEL_BLOCK, 8)
+            logits = llama.forward_sequence(torch.tensor(prompt + out), 0, torch.arange(8), caches)[-1].clone()
+            if len(out) < min_tokens:
+                logits[list(stop)] = float("-inf")
+            out.append(int(torch.argmax(logits)))
+            if out[-1] in stop and len(out) > min_tokens:
+                break
+        return out
+
+    free = reference(set(), 0, 6)
+    k = 0
+    stop = free[k]  # the first greedy token as a stop token ends the answer at once ...
+
+    def run(params: SamplingParams) -> tuple[list[int], str | None]:
+        engine = LLMEngine(LlamaPagedModel(llama), num_blocks=6, block_size=BLOCK, kernel_block_size=KERNEL_BLOCK)
+        engine.add_request("x", prompt, params)
+        tokens, reason = [], None
+        while engine.has_unfinished():
+            for o in engine.step():
+                tokens += o.new_token_ids
+                reason = o.finish_reason if o.finished else reason
+        return tokens, reason
+
+    assert run(SamplingParams(max_tokens=6, stop_token_ids=(stop,), ignore_eos=True)) == (free[:k + 1], "stop")
+    # ... unless min_tokens keeps it out of the first k + 2
+    expected = reference({stop}, k + 2, 6)
+    assert expected[:k] == free[:k] and expected[k] != stop
+    tokens, reason = run(SamplingParams(max_tokens=6, stop_token_ids=(stop,), ignore_eos=True, min_tokens=k + 2))
+    assert tokens == expected and stop not in tokens[:k + 2]
+    assert reason == ("stop" if tokens[-1] == stop else "length")
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=2, min_tokens=3)

@@ -30,6 +30,7 @@ class FakeSampling:
     seed: int | None = None
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0
 
 
 @dataclass

@@ -73,7 +73,8 @@ def test_bad_requests_get_openai_style_400s(fake_app: Any) -> None:
         ({"prompt": "x", "top_k": 5}, "top_k=5 is not supported"),
         ({"prompt": "x", "repetition_penalty": True}, "repetition_penalty=True is not supported"),
         ({"prompt": "x", "logit_bias": {"7": 3}}, "logit_bias"),
-        ({"prompt": "x", "min_tokens": 4}, "min_tokens=4 is not supported"),
+        ({"prompt": "x", "max_tokens": 2, "min_tokens": 4}, "min_tokens=4 is more than the 2 tokens"),
+        ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
         ({"prompt": "x", "include_stop_str_in_output": True}, "include_stop_str_in_output=True"),
         ({"prompt": "x", "skip_special_tokens": False}, "skip_special_tokens=False"),
         ({"prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
@@ -105,15 +106,16 @@ def test_sampling_knobs_at_their_neutral_value_are_accepted(fake_app: Any) -> No
         assert nan.status_code == 400 and "frequency_penalty=nan" in nan.json()["error"]["message"]
 
 
-def test_ignore_eos_and_stop_token_ids_reach_the_engine(fake_app: Any, fake_engine: Any) -> None:
-    """vLLM's `ignore_eos` and `stop_token_ids` are honoured, not dropped: the engine gets the
-    end-of-sequence token as a stop token unless `ignore_eos`, plus the client's stop ids."""
+def test_ignore_eos_stop_token_ids_and_min_tokens_reach_the_engine(fake_app: Any, fake_engine: Any) -> None:
+    """vLLM's `ignore_eos`, `stop_token_ids` and `min_tokens` are honoured, not dropped: the
+    engine gets the end-of-sequence token as a stop token unless `ignore_eos`, plus the
+    client's stop ids, and `min_tokens`."""
     with TestClient(fake_app) as client:
         for body in ({}, {"ignore_eos": True}, {"stop_token_ids": [7, 5]},
-                     {"ignore_eos": True, "stop_token_ids": [9]}):
+                     {"ignore_eos": True, "stop_token_ids": [9], "min_tokens": 2}):
             assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, **body}).status_code == 200
-    sent = [(s.stop_token_ids, s.ignore_eos) for _, s, _ in fake_engine.seen.values()]
-    assert sent == [((0,), False), ((), True), ((0, 5, 7), False), ((9,), True)]
+    sent = [(s.stop_token_ids, s.ignore_eos, s.min_tokens) for _, s, _ in fake_engine.seen.values()]
+    assert sent == [((0,), False, 0), ((), True, 0), ((0, 5, 7), False, 0), ((9,), True, 2)]
 
 
 @pytest.mark.parametrize(("prompt", "status", "code"), [

@@ -176,3 +176,35 @@ def test_ignore_eos_generates_past_the_end_and_stop_token_ids_stop(client: opena
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].text == tokenizer.decode(ids[:k])
     assert cut.usage is not None and cut.usage.completion_tokens == k + 1
+
+
+def test_min_tokens_holds_off_the_end_of_sequence_and_stop_strings(client: openai.OpenAI) -> None:
+    """vLLM's `min_tokens`: the end-of-sequence token cannot come before it (the answer goes on
+    where it would have ended), and a stop string counts only where it ends past the text of
+    the first `min_tokens` tokens."""
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    short = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    assert short.choices[0].finish_reason == "stop" and short.usage is not None
+    n = short.usage.completion_tokens
+    longer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=n + 12, temperature=0,
+                                            extra_body={"min_tokens": n + 3})
+    assert longer.usage is not None and longer.usage.completion_tokens >= n + 3
+    assert (longer.choices[0].message.content or "").startswith(short.choices[0].message.content or "")
+
+    tokenizer = Tokenizer.from_gguf(smollm2_gguf_path())
+    prompt = "The capital of France is"
+    greedy = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0).choices[0].text
+    ids = tokenizer.encode(greedy)
+    assert tokenizer.decode(ids) == greedy
+    stop = greedy.strip()[:3]  # begins the answer: without min_tokens the answer is empty
+    assert client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                     stop=[stop]).choices[0].text == greedy[:greedy.find(stop)]
+    protected = len(tokenizer.decode(ids[:2]))
+    later = greedy[protected + 2:protected + 5]  # a stop string further on
+    assert later.strip() and stop not in greedy[protected:]
+    for stops in ([stop], [stop, later]):
+        at = greedy.find(later) if later in stops else -1
+        held = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=stops,
+                                         extra_body={"min_tokens": 2}).choices[0]
+        assert held.text == (greedy[:at] if at >= 0 else greedy), stops
+        assert held.finish_reason == ("stop" if at >= 0 else "length")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvlink.engine.model.base import LayerSink, LayerStream, PagedModel
+from kvlink.engine.request import SamplingParams
 from kvlink.engine.sampler import sample
 from kvlink.engine.scheduler import ScheduledRun
 
@@ -37,5 +38,20 @@ class ModelRunner:
                 last_token_only=True, stream=stream,
             )
             if not request.prefill_only and end >= request.num_tokens_to_compute:  # not a prompt chunk
-                sampled[request.request_id] = sample(logits[-1], request.params, request.generator)
+                last = logits[-1]
+                if len(request.output_token_ids) < request.params.min_tokens:
+                    last = self._without_stop_tokens(last, request.params)
+                sampled[request.request_id] = sample(last, request.params, request.generator)
         return sampled
+
+    def _without_stop_tokens(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """`logits` with every token that would end the answer made impossible (`min_tokens`)."""
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops |= set(self.model.eos_token_ids)
+        ids = [t for t in stops if 0 <= t < logits.shape[-1]]
+        if not ids:
+            return logits
+        masked = logits.clone()
+        masked[torch.tensor(ids, dtype=torch.int64)] = float("-inf")
+        return masked

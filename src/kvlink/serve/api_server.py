@@ -104,6 +104,7 @@ def build_app(
         return make_sampling(
             max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
             seed=body.seed, stop_token_ids=tuple(sorted(stop_ids)), ignore_eos=body.ignore_eos,
+            min_tokens=min(body.min_tokens, max_tokens),
         )
 
     async def release_prefilled(
@@ -129,6 +130,10 @@ def build_app(
         try:
             check_model(body.model, model_name)
             max_tokens = token_budget(len(prompt_ids), requested_max_tokens, max_model_len)
+            if body.min_tokens > max_tokens:
+                raise APIError(400, f"min_tokens={body.min_tokens} is more than the {max_tokens} tokens this "
+                                    f"answer may have (max_tokens, or what fits the context)",
+                               "invalid_value", param="min_tokens")
         except APIError:
             await release_prefilled(body, prompt_ids, request_id)
             raise

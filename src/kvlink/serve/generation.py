@@ -106,6 +106,7 @@ async def generate_pieces(
     last_token_at: float | None = None
     decoder = tokenizer.incremental_decoder(skip_special_tokens=True)
     stops = StopStringFilter(stop_strings)
+    min_tokens, shown_tokens = int(getattr(sampling, "min_tokens", 0)), 0
     outcome = "abort"  # what the client sees if the iteration is closed early
     outputs = engine.generate(summary.request_id, prompt_ids, sampling, kv_transfer_params)
     try:
@@ -128,7 +129,10 @@ async def generate_pieces(
                 # A stop token (end of sequence or one of `stop_token_ids`) ends the answer and is
                 # counted, but its text is not part of it.
                 shown = new_ids[:-1] if output.finished and output.finish_reason == "stop" else new_ids
-                text = stops.push("".join(decoder.push(token) for token in shown))
+                text = ""
+                for token in shown:  # a stop string cannot end in the first `min_tokens` tokens' text
+                    shown_tokens += 1
+                    text += stops.push(decoder.push(token), protected=shown_tokens <= min_tokens)
                 if stops.stopped:
                     summary.finish_reason = "stop"
                     outcome = "ok"
