@@ -208,3 +208,29 @@ def test_min_tokens_holds_off_the_end_of_sequence_and_stop_strings(client: opena
                                          extra_body={"min_tokens": 2}).choices[0]
         assert held.text == (greedy[:at] if at >= 0 else greedy), stops
         assert held.finish_reason == ("stop" if at >= 0 else "length")
+
+
+def test_special_tokens_and_stops_can_stay_in_the_text(client: openai.OpenAI) -> None:
+    """vLLM's `skip_special_tokens: false` keeps special tokens' text (generated through the end
+    of sequence with `ignore_eos`); `include_stop_str_in_output` ends the text with the stop
+    string, or with the stop token's text."""
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    skipped = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0,
+                                             extra_body={"ignore_eos": True})
+    kept = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0,
+                                          extra_body={"ignore_eos": True, "skip_special_tokens": False})
+    with_special, without = kept.choices[0].message.content or "", skipped.choices[0].message.content or ""
+    assert "<|im_end|>" in with_special and "<|im_end|>" not in without
+    assert with_special.startswith(without[:with_special.index("<|im_end|>")])
+
+    prompt = "The capital of France is"
+    greedy = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0).choices[0].text
+    stop = greedy[3:6]
+    ended = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stop=[stop],
+                                      extra_body={"include_stop_str_in_output": True}).choices[0]
+    assert ended.text == greedy[:greedy.find(stop) + len(stop)] and ended.finish_reason == "stop"
+    tokenizer = Tokenizer.from_gguf(smollm2_gguf_path())
+    ids = tokenizer.encode(greedy)
+    with_token = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                           extra_body={"stop_token_ids": [ids[1]], "include_stop_str_in_output": True})
+    assert with_token.choices[0].text == tokenizer.decode(ids[:2])

@@ -48,3 +48,11 @@ def test_min_tokens_text_cannot_end_a_stop_string_but_one_may_begin_there() -> N
     assert cut.push("x", protected=True) + cut.push("x") == "x"
     assert cut.stopped
     assert _run(["END"], ["END"]) == ("", True)
+
+
+def test_include_in_output_ends_the_text_with_the_stop_string() -> None:
+    cut = StopStringFilter(["END", "b"], include_in_output=True)
+    assert cut.push("an E") == "an "
+    assert cut.push("ND more") == "END"
+    assert cut.stopped and cut.flush() == ""
+    assert StopStringFilter(["abc", "b"], include_in_output=True).push("xabcd") == "xab"

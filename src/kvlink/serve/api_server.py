@@ -142,7 +142,8 @@ def build_app(
         summary = Summary(request_id, role, prompt_tokens=len(prompt_ids))
         pieces = generate_pieces(
             engine, tokenizer, metrics, summary, prompt_ids, sampling_for(body, max_tokens),
-            body.stop_strings, body.kv_transfer_params,
+            body.stop_strings, body.kv_transfer_params, include_stop_str=body.include_stop_str_in_output,
+            skip_special_tokens=body.skip_special_tokens,
         )
         try:
             # The first piece is awaited before answering, so refusals and failures that

@@ -99,13 +99,14 @@ def _transfer_figures(output: Any, summary: Summary) -> None:
 async def generate_pieces(
     engine: AsyncEngine, tokenizer: Any, metrics: MetricsRegistry, summary: Summary,
     prompt_ids: list[int], sampling: Any, stop_strings: list[str],
-    kv_transfer_params: dict[str, Any] | None,
+    kv_transfer_params: dict[str, Any] | None, *, include_stop_str: bool = False,
+    skip_special_tokens: bool = True,
 ) -> AsyncGenerator[Piece, None]:
     """Yield text pieces; the last one carries `finish_reason` and the engine's transfer params."""
     started = time.monotonic()
     last_token_at: float | None = None
-    decoder = tokenizer.incremental_decoder(skip_special_tokens=True)
-    stops = StopStringFilter(stop_strings)
+    decoder = tokenizer.incremental_decoder(skip_special_tokens=skip_special_tokens)
+    stops = StopStringFilter(stop_strings, include_in_output=include_stop_str)
     min_tokens, shown_tokens = int(getattr(sampling, "min_tokens", 0)), 0
     outcome = "abort"  # what the client sees if the iteration is closed early
     outputs = engine.generate(summary.request_id, prompt_ids, sampling, kv_transfer_params)
@@ -127,8 +128,9 @@ async def generate_pieces(
                 if output.error:
                     raise GenerationFailed(str(output.error), getattr(output, "error_kind", None))
                 # A stop token (end of sequence or one of `stop_token_ids`) ends the answer and is
-                # counted, but its text is not part of it.
-                shown = new_ids[:-1] if output.finished and output.finish_reason == "stop" else new_ids
+                # counted; its text is part of it only with `include_stop_str_in_output`.
+                stop_token = output.finished and output.finish_reason == "stop" and not include_stop_str
+                shown = new_ids[:-1] if stop_token else new_ids
                 text = ""
                 for token in shown:  # a stop string cannot end in the first `min_tokens` tokens' text
                     shown_tokens += 1

@@ -3,8 +3,8 @@
 Only the fields kvlink acts on are declared; unknown fields are ignored (clients
 send many), but features we cannot honour (`n > 1`, `logprobs`, `echo`, and the sampling
 knobs in `UNHONOURED` set to anything but their neutral value) are refused with a 400
-rather than silently dropped. Of vLLM's extensions, `ignore_eos`, `stop_token_ids` and
-`min_tokens` are honoured.
+rather than silently dropped. Of vLLM's extensions, `ignore_eos`, `stop_token_ids`,
+`min_tokens`, `include_stop_str_in_output` and `skip_special_tokens` are honoured.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ class StreamOptions(BaseModel):
 UNHONOURED: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
     "top_k": (None, 0, -1), "min_p": (None, 0), "best_of": (None, 1), "logit_bias": (None, {}),
-    "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
     "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,), "bad_words": (None, []),
     "allowed_token_ids": (None,), "guided_json": (None,), "guided_regex": (None,),
     "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,),
@@ -67,6 +66,9 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     # vLLM's extension: no stop token or stop string ends the answer before this many tokens
     min_tokens: int = Field(0, ge=0)
+    # vLLM's extensions: the stop string or stop token's text stays in the answer; special tokens' text too
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     @field_validator("n")
     @classmethod

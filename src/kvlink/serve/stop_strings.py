@@ -5,14 +5,16 @@ the beginning of a stop string is held back until the next piece settles it. As 
 does, the stop string that ends first wins (ties: the one listed first), and with
 `min_tokens` a stop string counts only if it ends after the text of the first
 `min_tokens` tokens (pushed with `protected=True`); it may begin inside that text.
+With `include_in_output` the text ends with the stop string instead of before it.
 """
 
 from __future__ import annotations
 
 
 class StopStringFilter:
-    def __init__(self, stop_strings: list[str]) -> None:
+    def __init__(self, stop_strings: list[str], include_in_output: bool = False) -> None:
         self.stop_strings = [s for s in stop_strings if s]
+        self.include_in_output = include_in_output  # the answer ends with the stop string, not before it
         self._held = ""
         self._emitted = 0  # characters returned so far (the held text starts there)
         self._protected_until = 0  # no stop string may end at or before this character
@@ -37,7 +39,7 @@ class StopStringFilter:
         if best is not None:
             self.stopped = True
             self._held = ""
-            return buffer[: best[2]]
+            return buffer[: best[0] if self.include_in_output else best[2]]
         keep = self._longest_stop_prefix_suffix(buffer)
         return self._emit(buffer, len(buffer) - keep)
 
