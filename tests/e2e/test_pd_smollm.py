@@ -243,6 +243,14 @@ def test_openai_client_through_the_proxy(smollm: Cluster) -> None:
                                          temperature=0).choices[0].text
     assert text == clients[1].completions.create(model=MODEL, prompt="Once upon a time",
                                                  max_tokens=6, temperature=0).choices[0].text
+    # vLLM's extensions reach D through the proxy (P gets at most one min_token) as colocated
+    extensions = [{"min_tokens": 12}, {"ignore_eos": True}, {"stop_token_ids": [30], "min_tokens": 2}]
+    for extra, at_least in zip(extensions, (12, 16, 2), strict=True):
+        answers = [c.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                             extra_body=extra) for c in clients]
+        assert answers[0].choices[0].message.content == answers[1].choices[0].message.content, extra
+        assert answers[0].usage is not None and answers[1].usage is not None
+        assert answers[0].usage.completion_tokens == answers[1].usage.completion_tokens >= at_least, extra
     with httpx.stream("POST", f"{proxy}/v1/completions", timeout=60,
                       json={"prompt": "Once upon a time", "max_tokens": 3, "stream": True}) as raw:
         assert float(raw.headers["x-kvlink-prefill-s"]) > 0

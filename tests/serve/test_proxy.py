@@ -285,3 +285,13 @@ def test_p_gets_the_mode_a_client_asks_for() -> None:
         "do_remote_decode": True, "transfer_mode": "layerwise", "layerwise_id": "k1"}
     assert wants_layerwise({"kv_transfer_params": {"transfer_mode": "layerwise"}}, "classic")
     assert wants_layerwise({}, "layerwise") and not wants_layerwise(body, "layerwise")
+
+
+def test_p_gets_at_most_one_min_token() -> None:
+    """P answers one token: a client's `min_tokens` (for D's answer) goes to P as 1 at most."""
+    from kvlink.serve.proxy import prefill_body
+
+    for asked, sent in ((5, 1), (1, 1), (0, 0), (-2, -2), ("3", "3"), (None, None)):
+        body = {"prompt": "x", "max_tokens": 9, "min_tokens": asked}
+        assert prefill_body(body)["min_tokens"] == sent and body["min_tokens"] == asked
+    assert "min_tokens" not in prefill_body({"prompt": "x"})

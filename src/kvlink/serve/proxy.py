@@ -67,6 +67,9 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
         request["max_completion_tokens"] = 1
     request["stream"] = False
     request.pop("stream_options", None)
+    minimum = request.get("min_tokens")
+    if isinstance(minimum, int) and not isinstance(minimum, bool) and minimum > 1:
+        request["min_tokens"] = 1  # D's answer needs them, P's one token cannot (a bad value: P says so)
     asked = body.get("kv_transfer_params")
     mode = asked.get("transfer_mode") if isinstance(asked, dict) else None
     request["kv_transfer_params"] = {"do_remote_decode": True}
