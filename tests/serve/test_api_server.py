@@ -97,10 +97,11 @@ def test_sampling_knobs_at_their_neutral_value_are_accepted(fake_app: Any) -> No
     NaN (which Python's JSON reads) is no neutral value."""
     neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1, "top_k": -1,
                "min_p": 0, "best_of": 1, "logit_bias": {}, "user": "u", "min_tokens": 0,
-               "include_stop_str_in_output": False, "skip_special_tokens": True, "guided_json": None}
+               "include_stop_str_in_output": None, "skip_special_tokens": None, "guided_json": None,
+               "ignore_eos": None}
     with TestClient(fake_app) as client:
         assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, **neutral}).status_code == 200
-        chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "top_k": 0}
+        chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "top_k": 0, "min_tokens": None}
         assert client.post("/v1/chat/completions", json=chat).status_code == 200
         nan = client.post("/v1/completions", content=b'{"prompt": "x", "frequency_penalty": NaN}',
                           headers={"content-type": "application/json"})

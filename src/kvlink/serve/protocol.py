@@ -32,6 +32,9 @@ UNHONOURED: dict[str, tuple[Any, ...]] = {
 }
 
 
+_NULL_IS_DEFAULT = ("ignore_eos", "min_tokens", "include_stop_str_in_output", "skip_special_tokens")
+
+
 class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -39,6 +42,8 @@ class _SamplingFields(BaseModel):
     @classmethod
     def _unhonoured(cls, data: Any) -> Any:
         if isinstance(data, dict):
+            # vLLM's extensions sent as null mean their default
+            data = {k: v for k, v in data.items() if v is not None or k not in _NULL_IS_DEFAULT}
             for name, neutral in UNHONOURED.items():
                 value = data.get(name)
                 # bool is an int: `true` is not the neutral 1; NaN equals nothing, so it is refused.
