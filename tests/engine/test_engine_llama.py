@@ -91,8 +91,7 @@ def test_min_tokens_keeps_stop_tokens_out_until_then(llama: LlamaModel) -> None:
         return out
 
     free = reference(set(), 0, 6)
-    k = 0
-    stop = free[k]  # the first greedy token as a stop token ends the answer at once ...
+    stop = free[0]  # the first greedy token as a stop token ends the answer at once ...
 
     def run(params: SamplingParams) -> tuple[list[int], str | None]:
         engine = LLMEngine(LlamaPagedModel(llama), num_blocks=6, block_size=BLOCK, kernel_block_size=KERNEL_BLOCK)
@@ -104,12 +103,12 @@ def test_min_tokens_keeps_stop_tokens_out_until_then(llama: LlamaModel) -> None:
                 reason = o.finish_reason if o.finished else reason
         return tokens, reason
 
-    assert run(SamplingParams(max_tokens=6, stop_token_ids=(stop,), ignore_eos=True)) == (free[:k + 1], "stop")
-    # ... unless min_tokens keeps it out of the first k + 2
-    expected = reference({stop}, k + 2, 6)
-    assert expected[:k] == free[:k] and expected[k] != stop
-    tokens, reason = run(SamplingParams(max_tokens=6, stop_token_ids=(stop,), ignore_eos=True, min_tokens=k + 2))
-    assert tokens == expected and stop not in tokens[:k + 2]
+    assert run(SamplingParams(max_tokens=6, stop_token_ids=(stop,), ignore_eos=True)) == (free[:1], "stop")
+    # ... unless min_tokens keeps it out of the first 2
+    expected = reference({stop}, 2, 6)
+    assert expected[0] != stop
+    tokens, reason = run(SamplingParams(max_tokens=6, stop_token_ids=(stop,), ignore_eos=True, min_tokens=2))
+    assert tokens == expected and stop not in tokens[:2]
     assert reason == ("stop" if tokens[-1] == stop else "length")
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=2, min_tokens=3)

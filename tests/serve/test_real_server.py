@@ -63,6 +63,12 @@ def server() -> Iterator[str]:
         yield url
 
 
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    """The served model's tokenizer, to name the token ids of an answer."""
+    return Tokenizer.from_gguf(smollm2_gguf_path())
+
+
 @pytest.fixture
 def client(server: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", timeout=30, max_retries=0)
@@ -151,7 +157,7 @@ def test_chat_answers_and_stops_at_eos(client: openai.OpenAI) -> None:
     assert answer.choices[0].finish_reason == "stop"
 
 
-def test_ignore_eos_generates_past_the_end_and_stop_token_ids_stop(client: openai.OpenAI) -> None:
+def test_ignore_eos_generates_past_the_end_and_stop_token_ids_stop(client: openai.OpenAI, tokenizer: Tokenizer) -> None:
     """vLLM's extensions, as vLLM does them: `ignore_eos` runs to `max_tokens` through the
     end-of-sequence token (the text leaves the special token out); `stop_token_ids` ends the
     answer at the first of them (left out of the text, counted as generated)."""
@@ -165,7 +171,6 @@ def test_ignore_eos_generates_past_the_end_and_stop_token_ids_stop(client: opena
     text = long.choices[0].message.content or ""
     assert text.startswith(short.choices[0].message.content or "") and "<|im_end|>" not in text
 
-    tokenizer = Tokenizer.from_gguf(smollm2_gguf_path())
     prompt = "The capital of France is"
     greedy = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0).choices[0].text
     ids = tokenizer.encode(greedy)
@@ -178,7 +183,7 @@ def test_ignore_eos_generates_past_the_end_and_stop_token_ids_stop(client: opena
     assert cut.usage is not None and cut.usage.completion_tokens == k + 1
 
 
-def test_min_tokens_holds_off_the_end_of_sequence_and_stop_strings(client: openai.OpenAI) -> None:
+def test_min_tokens_holds_off_the_end_of_sequence_and_stop_strings(client: openai.OpenAI, tokenizer: Tokenizer) -> None:
     """vLLM's `min_tokens`: the end-of-sequence token cannot come before it (the answer goes on
     where it would have ended), and a stop string counts only where it ends past the text of
     the first `min_tokens` tokens."""
@@ -191,7 +196,6 @@ def test_min_tokens_holds_off_the_end_of_sequence_and_stop_strings(client: opena
     assert longer.usage is not None and longer.usage.completion_tokens >= n + 3
     assert (longer.choices[0].message.content or "").startswith(short.choices[0].message.content or "")
 
-    tokenizer = Tokenizer.from_gguf(smollm2_gguf_path())
     prompt = "The capital of France is"
     greedy = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0).choices[0].text
     ids = tokenizer.encode(greedy)
@@ -210,7 +214,7 @@ def test_min_tokens_holds_off_the_end_of_sequence_and_stop_strings(client: opena
         assert held.finish_reason == ("stop" if at >= 0 else "length")
 
 
-def test_special_tokens_and_stops_can_stay_in_the_text(client: openai.OpenAI) -> None:
+def test_special_tokens_and_stops_can_stay_in_the_text(client: openai.OpenAI, tokenizer: Tokenizer) -> None:
     """vLLM's `skip_special_tokens: false` keeps special tokens' text (generated through the end
     of sequence with `ignore_eos`); `include_stop_str_in_output` ends the text with the stop
     string, or with the stop token's text."""
@@ -229,7 +233,6 @@ def test_special_tokens_and_stops_can_stay_in_the_text(client: openai.OpenAI) ->
     ended = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stop=[stop],
                                       extra_body={"include_stop_str_in_output": True}).choices[0]
     assert ended.text == greedy[:greedy.find(stop) + len(stop)] and ended.finish_reason == "stop"
-    tokenizer = Tokenizer.from_gguf(smollm2_gguf_path())
     ids = tokenizer.encode(greedy)
     with_token = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
                                            extra_body={"stop_token_ids": [ids[1]], "include_stop_str_in_output": True})

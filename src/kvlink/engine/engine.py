@@ -167,9 +167,7 @@ class LLMEngine:
 
     def _stop_reason(self, request: Request, token: int) -> str | None:
         params = request.params
-        if token in params.stop_token_ids or (
-            not params.ignore_eos and token in self.model.eos_token_ids
-        ):
+        if token in params.stop_tokens(self.model.eos_token_ids):
             return "stop"
         if len(request.output_token_ids) >= params.max_tokens:
             return "length"

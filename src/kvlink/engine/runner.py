@@ -46,10 +46,7 @@ class ModelRunner:
 
     def _without_stop_tokens(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         """`logits` with every token that would end the answer made impossible (`min_tokens`)."""
-        stops = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stops |= set(self.model.eos_token_ids)
-        ids = [t for t in stops if 0 <= t < logits.shape[-1]]
+        ids = [t for t in params.stop_tokens(self.model.eos_token_ids) if 0 <= t < logits.shape[-1]]
         if not ids:
             return logits
         masked = logits.clone()

@@ -107,7 +107,7 @@ async def generate_pieces(
     last_token_at: float | None = None
     decoder = tokenizer.incremental_decoder(skip_special_tokens=skip_special_tokens)
     stops = StopStringFilter(stop_strings, include_in_output=include_stop_str)
-    min_tokens, shown_tokens = int(getattr(sampling, "min_tokens", 0)), 0
+    min_tokens, shown_tokens = sampling.min_tokens, 0
     outcome = "abort"  # what the client sees if the iteration is closed early
     outputs = engine.generate(summary.request_id, prompt_ids, sampling, kv_transfer_params)
     try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, field_validator, model_validator
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP_TOKEN_IDS = 1024
@@ -68,7 +68,7 @@ class _SamplingFields(BaseModel):
     kv_transfer_params: dict[str, Any] | None = None
     ignore_eos: bool = False  # vLLM's extension: generate past the end-of-sequence token
     # vLLM's extension: more tokens that end the answer (each generated token is looked up in them)
-    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    stop_token_ids: list[NonNegativeInt] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     # vLLM's extension: no stop token or stop string ends the answer before this many tokens
     min_tokens: int = Field(0, ge=0)
     # vLLM's extensions: the stop string or stop token's text stays in the answer; special tokens' text too
@@ -81,13 +81,6 @@ class _SamplingFields(BaseModel):
         if n != 1:
             raise ValueError(f"only n=1 is supported, got n={n}")
         return n
-
-    @field_validator("stop_token_ids")
-    @classmethod
-    def _stop_ids(cls, ids: list[int] | None) -> list[int] | None:
-        if ids and min(ids) < 0:
-            raise ValueError(f"stop_token_ids must be token ids (>= 0), got {min(ids)}")
-        return ids
 
     @field_validator("stop")
     @classmethod
