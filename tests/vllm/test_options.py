@@ -147,6 +147,21 @@ def test_queue_busy_poll_defaults_to_two_ms_and_is_checked() -> None:
     connector_config({"vllm_queue_busy_poll_ms": 5}, engine_id="e", load_failure_policy="fail")
 
 
+def test_stuck_step_dump_defaults_to_a_minute_and_is_checked() -> None:
+    from kvlink.integrations.vllm.options import stuck_step_dump_s
+
+    assert stuck_step_dump_s({}) == 60.0
+    assert stuck_step_dump_s({"stuck_step_dump_s": 2}) == 2.0
+    assert stuck_step_dump_s({"stuck_step_dump_s": None}) is None  # no dumps
+    for bad in (0, -1, 86401, "60", True, float("nan")):
+        with pytest.raises(BadExtraConfig, match="stuck_step_dump_s"):
+            stuck_step_dump_s({"stuck_step_dump_s": bad})
+    with pytest.raises(BadExtraConfig, match="stuck_step_dump_s"):
+        connector_config({"stuck_step_dump_s": "soon"}, engine_id="e", load_failure_policy="fail")
+    assert "stuck_step_dump_s" in known_keys()
+    connector_config({"stuck_step_dump_s": 30, "lease_s": 5}, engine_id="e", load_failure_policy="fail")
+
+
 def test_shorten_queue_spin_changes_reader_queues_only() -> None:
     from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
 

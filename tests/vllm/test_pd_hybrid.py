@@ -15,10 +15,15 @@ D-side prefix hit on a hybrid model cannot run inside vLLM here; kvlink's own en
 
 from __future__ import annotations
 
+import re
+import signal
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import psutil
 import pytest
 from layerwise_client import layerwise_answers
 from vllm_client import STAGED, complete, load_through, metric, token_ids, wait_metric
@@ -42,6 +47,7 @@ PROMPTS = ["The last keeper of the lighthouse was",
 
 TP_DIRECTIONS = ("2->1", "1->2")
 CONV_DIRECTIONS = ("DS2->SD1", "SD1->DS2", "DS2->SD2", "SD2->DS2")
+STUCK_STEP_S = 3.0  # the TP 2 server's workers write their stacks after this long inside one step
 BLOCK_DIRECTIONS = ("64->128", "128->64")  # vLLM's default block for this model is 128; 64 is the least it takes
 
 
@@ -77,7 +83,8 @@ def spec_64(vllm_servers: VllmServers, hybrid_dir: Path, secret: str) -> VllmSer
 @pytest.fixture(scope="module")
 def tp2_spec(vllm_servers: VllmServers, hybrid_dir: Path, secret: str) -> VllmServerSpec:
     """A TP 2 server (one core per rank) in the pair's secret: P for hybrid-d, D for hybrid-p."""
-    spec = vllm_servers.kvlink_spec(hybrid_dir, "hybrid-tp2", "0|1", secret, args=HYBRID_ARGS, tensor_parallel_size=2)
+    spec = vllm_servers.kvlink_spec(hybrid_dir, "hybrid-tp2", "0|1", secret, args=HYBRID_ARGS, tensor_parallel_size=2,
+                                    extra={"stuck_step_dump_s": STUCK_STEP_S})
     vllm_servers.side_channel_port()  # rank 1 listens on the next port
     return spec
 
@@ -242,3 +249,38 @@ def test_the_reference_text_depends_on_the_prompt(references: dict[str, list[int
     """A model answering the same tokens to every prompt would let a wrong SSM state pass unseen."""
     firsts = {tuple(ids[:4]) for prompt, ids in references.items() if prompt.startswith("(pull)")}
     assert len(firsts) == len(PROMPTS)
+
+
+def test_a_worker_stuck_in_a_step_writes_its_threads_stacks(hybrid_tp2: Service) -> None:
+    """The TP 2 server's rank 1 stopped (SIGSTOP) before a prefill: rank 0's forward waits for
+    it in a TP all-reduce. After `stuck_step_dump_s` rank 0 logs that its step is stuck and the
+    stacks of its threads (the all-reduce in them); rank 1 resumed, the step ends, the answer
+    comes, and the end is logged."""
+    log_path = hybrid_tp2.log_path
+    pids = {int(m) for m in re.findall(r"Worker_TP1 pid=(\d+)", log_path.read_text(errors="replace"))}
+    assert len(pids) == 1, pids
+    rank1 = psutil.Process(pids.pop())
+    model = served_model(hybrid_tp2.url)
+    seen = len(log_path.read_text(errors="replace"))
+    rank1.send_signal(signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(complete, hybrid_tp2.url, model, "(stuck) " + PROMPTS[1], max_tokens=1, stream=False,
+                                 kv_transfer_params={"do_remote_decode": True})
+            deadline = time.monotonic() + STUCK_STEP_S + 30
+            while "one engine step has run for" not in log_path.read_text(errors="replace")[seen:]:
+                assert time.monotonic() < deadline, "rank 0 wrote no stacks while rank 1 was stopped"
+                assert not answer.done(), answer.result().text
+                time.sleep(0.5)
+            rank1.send_signal(signal.SIGCONT)
+            assert answer.result(timeout=60).status_code == 200
+    finally:
+        rank1.send_signal(signal.SIGCONT)
+    deadline = time.monotonic() + 10
+    while "the engine step reported stuck ended after" not in log_path.read_text(errors="replace")[seen:]:
+        assert time.monotonic() < deadline, "the stuck step's end was not logged"
+        time.sleep(0.2)
+    after = log_path.read_text(errors="replace")[seen:]
+    assert "kvlink worker rank 0/2: one engine step has run for" in after
+    dump = after.split("one engine step has run for", 1)[1]
+    assert "Current thread" in dump and "all_reduce" in dump

@@ -41,10 +41,12 @@ from kvlink.integrations.vllm.options import (
     connector_config,
     metrics_port,
     queue_busy_poll_s,
+    stuck_step_dump_s,
 )
 from kvlink.integrations.vllm.scheduler_side import SchedulerSide
 from kvlink.integrations.vllm.spin import shorten_queue_spin
 from kvlink.integrations.vllm.stats import KvlinkPromMetrics, KvlinkStats
+from kvlink.integrations.vllm.stuck_step import StepWatchdog
 from kvlink.integrations.vllm.worker_side import TORCH_DTYPES, WorkerSide
 
 if TYPE_CHECKING:
@@ -189,6 +191,7 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
                                  tp_size=tp_size, mamba_n_groups=_mamba_n_groups(model_config)))
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._watchdog: StepWatchdog | None = None
         if role == KVConnectorRole.SCHEDULER:
             assert kv_cache_config is not None
             self._scheduler = SchedulerSide(self.config, parallel.tensor_parallel_size, model,
@@ -212,6 +215,10 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
                 groups=groups if hybrid else None,
                 metrics_port=metrics_port(transfer.kv_connector_extra_config),
                 agent_config=agent_config(transfer.kv_connector_extra_config))
+            limit_s = stuck_step_dump_s(transfer.kv_connector_extra_config)
+            if limit_s is not None:
+                self._watchdog = StepWatchdog(limit_s, f"kvlink worker rank {get_tensor_model_parallel_rank()}"
+                                                       f"/{get_tensor_model_parallel_world_size()}")
 
     # ---- class-level hooks --------------------------------------------------------------
     @classmethod
@@ -315,6 +322,12 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
                        f", k/v scales {scales}" if scales else "")
         self._work().register_kv_caches(kv_caches, spec.num_kv_heads, isa)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        # vLLM binds each step's metadata before the step's forward: where a step begins.
+        super().bind_connector_metadata(connector_metadata)
+        if self._watchdog is not None:
+            self._watchdog.begin()
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, KvlinkMetadata)
@@ -344,7 +357,12 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
         return results.finished_sending or None, results.finished_recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        out = self._work().poll()
+        # vLLM asks for the step's results once its forward and saves are done: where it ends.
+        try:
+            out = self._work().poll()
+        finally:
+            if self._watchdog is not None:
+                self._watchdog.end()
         return KVConnectorTransferResults(
             finished_sending=set(out.finished_sending),
             # vLLM releases a request from its wait only if a failed load is also "finished".
@@ -364,5 +382,7 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._scheduler is not None:
             self._scheduler.shutdown()
+        if self._watchdog is not None:
+            self._watchdog.close()
         if self._worker is not None:
             self._worker.shutdown()

@@ -17,9 +17,11 @@ from kvlink.transfer.agent_config import AgentConfig
 _FROM_VLLM = ("engine_id", "load_failure_policy")
 # Extra keys that are not ConnectorConfig fields.
 EXTRA_KEYS = ("secret_file", "metrics_port", "nixl_progress_thread", "nixl_progress_delay_us",
-              "vllm_queue_busy_poll_ms")
+              "vllm_queue_busy_poll_ms", "stuck_step_dump_s")
 DEFAULT_QUEUE_BUSY_POLL_MS = 2.0
-_INTEGRATION_KEYS = ("metrics_port", "nixl_progress_thread", "nixl_progress_delay_us", "vllm_queue_busy_poll_ms")
+DEFAULT_STUCK_STEP_DUMP_S = 60.0
+_INTEGRATION_KEYS = ("metrics_port", "nixl_progress_thread", "nixl_progress_delay_us", "vllm_queue_busy_poll_ms",
+                     "stuck_step_dump_s")
 DEFAULT_SIDE_CHANNEL_PORT = 5700
 
 
@@ -64,6 +66,19 @@ def queue_busy_poll_s(extra: Mapping[str, Any] | None) -> float | None:
     return float(ms) / 1e3
 
 
+def stuck_step_dump_s(extra: Mapping[str, Any] | None) -> float | None:
+    """After how many seconds inside one engine step a worker writes its threads' stacks to
+    the log (`kvlink.integrations.vllm.stuck_step`); None: never (the key set to null)."""
+    values = extra or {}
+    if "stuck_step_dump_s" in values and values["stuck_step_dump_s"] is None:
+        return None
+    limit = values.get("stuck_step_dump_s", DEFAULT_STUCK_STEP_DUMP_S)
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 < limit <= 86400:
+        raise BadExtraConfig(f"kvlink: stuck_step_dump_s must be a number of seconds in (0, 86400] or null "
+                             f"(no stack dumps), got {limit!r}")
+    return float(limit)
+
+
 def known_keys() -> tuple[str, ...]:
     fields = [f.name for f in dataclasses.fields(ConnectorConfig) if f.name not in _FROM_VLLM]
     return tuple(sorted([*fields, *EXTRA_KEYS]))
@@ -84,11 +99,12 @@ def connector_config(
     """
     values = dict(extra or {})
     for key in _INTEGRATION_KEYS:
-        values.pop(key, None)  # see metrics_port(), agent_config() and queue_busy_poll_s()
+        values.pop(key, None)  # see metrics_port(), agent_config(), queue_busy_poll_s(), stuck_step_dump_s()
     unknown = sorted(set(values) - set(known_keys()))
     metrics_port(extra)
     agent_config(extra)
     queue_busy_poll_s(extra)
+    stuck_step_dump_s(extra)
     if unknown:
         raise BadExtraConfig(
             f"kvlink: unknown kv_connector_extra_config keys {unknown}; known keys: "
