@@ -208,17 +208,16 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
             )
             if storage_dtype(dtype) != dtype:
                 model = replace(model, kv_scales=self._kv_scales(spec.layer_names))
+            rank, ranks = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
             self._worker = WorkerSide(
-                self.config, model,
-                tp_size=get_tensor_model_parallel_world_size(), tp_rank=get_tensor_model_parallel_rank(),
+                self.config, model, tp_size=ranks, tp_rank=rank,
                 head_dim=spec.head_dim, block_size=spec.block_size, dtype=dtype,
                 groups=groups if hybrid else None,
                 metrics_port=metrics_port(transfer.kv_connector_extra_config),
                 agent_config=agent_config(transfer.kv_connector_extra_config))
             limit_s = stuck_step_dump_s(transfer.kv_connector_extra_config)
             if limit_s is not None:
-                self._watchdog = StepWatchdog(limit_s, f"kvlink worker rank {get_tensor_model_parallel_rank()}"
-                                                       f"/{get_tensor_model_parallel_world_size()}")
+                self._watchdog = StepWatchdog(limit_s, f"kvlink worker rank {rank}/{ranks}")
 
     # ---- class-level hooks --------------------------------------------------------------
     @classmethod

@@ -6,7 +6,7 @@ Pure: imports no vLLM, so the mapping is unit-tested without an engine.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvlink.connector.config import ConnectorConfig
@@ -52,31 +52,33 @@ def agent_config(extra: Mapping[str, Any] | None) -> AgentConfig:
     return AgentConfig(progress_thread=thread, progress_delay_us=delay)
 
 
+def _nullable_number(extra: Mapping[str, Any] | None, key: str, default: float,
+                     in_range: Callable[[float], bool], wanted: str) -> float | None:
+    """`key`'s number (`default` when absent); None when set to null; else BadExtraConfig
+    saying it must be `wanted`."""
+    values = extra or {}
+    if key in values and values[key] is None:
+        return None
+    value = values.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not in_range(value):
+        raise BadExtraConfig(f"kvlink: {key} must be {wanted}, got {value!r}")
+    return float(value)
+
+
 def queue_busy_poll_s(extra: Mapping[str, Any] | None) -> float | None:
     """How long vLLM's queue readers in kvlink's processes busy-poll after a message
     (`kvlink.integrations.vllm.spin`), in seconds; None: leave vLLM's 1 s alone (the key
     set to null)."""
-    values = extra or {}
-    if "vllm_queue_busy_poll_ms" in values and values["vllm_queue_busy_poll_ms"] is None:
-        return None
-    ms = values.get("vllm_queue_busy_poll_ms", DEFAULT_QUEUE_BUSY_POLL_MS)
-    if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not 0 <= ms <= 1000:
-        raise BadExtraConfig(f"kvlink: vllm_queue_busy_poll_ms must be a number of milliseconds in "
-                             f"[0, 1000] or null (vLLM's own 1 s), got {ms!r}")
-    return float(ms) / 1e3
+    ms = _nullable_number(extra, "vllm_queue_busy_poll_ms", DEFAULT_QUEUE_BUSY_POLL_MS, lambda v: 0 <= v <= 1000,
+                          "a number of milliseconds in [0, 1000] or null (vLLM's own 1 s)")
+    return None if ms is None else ms / 1e3
 
 
 def stuck_step_dump_s(extra: Mapping[str, Any] | None) -> float | None:
     """After how many seconds inside one engine step a worker writes its threads' stacks to
     the log (`kvlink.integrations.vllm.stuck_step`); None: never (the key set to null)."""
-    values = extra or {}
-    if "stuck_step_dump_s" in values and values["stuck_step_dump_s"] is None:
-        return None
-    limit = values.get("stuck_step_dump_s", DEFAULT_STUCK_STEP_DUMP_S)
-    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 < limit <= 86400:
-        raise BadExtraConfig(f"kvlink: stuck_step_dump_s must be a number of seconds in (0, 86400] or null "
-                             f"(no stack dumps), got {limit!r}")
-    return float(limit)
+    return _nullable_number(extra, "stuck_step_dump_s", DEFAULT_STUCK_STEP_DUMP_S, lambda v: 0 < v <= 86400,
+                            "a number of seconds in (0, 86400] or null (no stack dumps)")
 
 
 def known_keys() -> tuple[str, ...]:
