@@ -11,10 +11,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from kvlink.procs.shm import remove_orphans
 
 Progress = Callable[[str], None]
 """Where a long wait reports how it goes, a line at a time (print by default)."""
@@ -84,6 +86,7 @@ class Service:
     proc: subprocess.Popen[bytes]
     url: str
     log_path: Path
+    started: float = field(default_factory=time.time)  # epoch seconds, for `stop_all`'s sweep
 
     def log_tail(self, lines: int = 20) -> str:
         try:
@@ -190,7 +193,9 @@ def wait_healthy(services: Sequence[Service], timeout_s: float,
 def stop_all(services: Sequence[Service], timeout_s: float = 15.0,
              straggler_grace_s: float = 0.5) -> None:
     """SIGTERM each process group, wait up to `timeout_s` for the leaders, then SIGKILL what is
-    left of each group (after `straggler_grace_s` for members still exiting)."""
+    left of each group (after `straggler_grace_s` for members still exiting). Then unlink the
+    shared-memory segments created since the first of them started that no live process uses
+    (`kvlink.procs.shm`: vLLM's, which a stopped server leaves behind)."""
     for svc in services:
         if svc.proc.poll() is None:
             _signal_group(svc.proc, signal.SIGTERM)
@@ -209,6 +214,8 @@ def stop_all(services: Sequence[Service], timeout_s: float = 15.0,
             time.sleep(0.05)
         if _group_alive(svc.proc.pid):  # the group id cannot have been reused while it has members
             _signal_group(svc.proc, signal.SIGKILL)
+    if services:  # what their processes left in /dev/shm that nobody alive maps (vLLM's queues)
+        remove_orphans(since=min(svc.started for svc in services))
 
 
 def _group_alive(pgid: int) -> bool:
