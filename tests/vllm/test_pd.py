@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import psutil
 import pytest
+from layerwise_client import with_p_held
 from vllm_client import metric, wait_metric
 from vllm_client import wait_idle as idle_after
 
@@ -305,7 +306,7 @@ def layerwise_via_proxy(pd: PD, colocated: Colocated, p: Service, d: Service, ta
     """Ask `kvlink proxy --mode layerwise` in front of P and D for `({tag}) PROMPTS[i]`; every
     answer equals colocated vLLM's, and D read nothing of the layerwise ones (all but the
     first: vLLM P has no /v1/kv_endpoint, the proxy learns P's side channel from a classic
-    answer). P's WRITEs per layerwise request."""
+    answer). P's WRITEs per layerwise request; the last one went with P held until D asked."""
     port = free_port()
     router = start_process("router-layerwise", router_argv("kvlink", [p.url], [d.url], port, 60.0,
                                                           extra_args=["--mode", "layerwise"]),
@@ -317,9 +318,12 @@ def layerwise_via_proxy(pd: PD, colocated: Colocated, p: Service, d: Service, ta
             prompt = f"({tag}) " + PROMPTS[index]
             read_before = vllm_metric(d, "vllm:kvlink_bytes_transferred_count")
             wrote_before = vllm_metric(p, "vllm:kvlink_bytes_transferred_count")
-            resp = httpx.post(router.url + "/v1/completions", timeout=60, json={
-                "model": pd.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-                "ignore_eos": True})
+            def send(prompt: str = prompt) -> httpx.Response:
+                return httpx.post(router.url + "/v1/completions", timeout=60, json={
+                    "model": pd.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                    "ignore_eos": True})
+            # The last one goes with P held until D asked: its prefill streams whatever the load.
+            resp = with_p_held(p, d, send) if n and n == len(indices) - 1 else send()
             assert resp.status_code == 200, resp.text + router.log_tail()
             assert resp.json()["choices"][0]["text"] == colocated(prompt)
             deadline = time.monotonic() + 5
@@ -341,9 +345,10 @@ def test_layerwise_through_kvlink_proxy_equals_colocated(pd: PD, colocated: Colo
     """`kvlink proxy --mode layerwise` in front of vLLM P and D: D asks P, and P WRITEs each
     attention layer's finished blocks from vLLM's `save_kv_layer` (the rest with `pushed`)."""
     writes = layerwise_via_proxy(pd, colocated, pd.a, pd.b, "layerwise", list(range(len(PROMPTS))), tmp_path)
-    # One WRITE per attention layer while P's forward runs, when D asked before it ended
-    # (it may ask later, under load: then one WRITE after the prefill, still exact).
-    assert max(writes) > 1, f"P never wrote during a forward: {writes}"
+    # One WRITE per attention layer while P's forward runs, when D asked before it ended (it
+    # may ask later, under load: then one WRITE after the prefill, still exact). The last
+    # request went with P held until D had asked: its forward streamed.
+    assert writes[-1] > 1, f"P never wrote during a forward: {writes}"
     for name, server in (("a", pd.a), ("b", pd.b)):
         wait_idle(pd, server, name, 20)
 
@@ -356,7 +361,7 @@ def test_layerwise_between_block_sizes_equals_colocated(pd: PD, colocated: Coloc
     p, d, names = (pd.c, pd.b, ("c", "b")) if direction == "32->128" else (pd.a, pd.e, ("a", "e"))
     staged = worker_counter(pd, names[1], "staged_loads_total")
     writes = layerwise_via_proxy(pd, colocated, p, d, f"layerwise {direction}", LAYERWISE_STAGED, tmp_path)
-    assert max(writes) > 1, f"P never wrote during a forward: {writes}"
+    assert writes[-1] > 1, f"P never wrote during a forward (the last one with P held): {writes}"
     deadline = time.monotonic() + 5  # the worker's counters reach its /metrics with the next step
     while worker_counter(pd, names[1], "staged_loads_total") < staged + len(LAYERWISE_STAGED):
         assert time.monotonic() < deadline, "D did not load every request through its staging pages"

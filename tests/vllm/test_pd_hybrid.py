@@ -135,10 +135,11 @@ def test_hybrid_layerwise_through_kvlink_proxy_equals_colocated(hybrid_pair: lis
     classic way (vLLM P has no /v1/kv_endpoint: the proxy learns P's side channel from it)."""
     p, d = hybrid_pair
     prompts = [f"(layerwise) {prompt}" for prompt in PROMPTS]
-    got = layerwise_answers(p, d, served_model(p.url), prompts, tmp_path)
+    got = layerwise_answers(p, d, served_model(p.url), prompts, tmp_path, held={len(prompts) - 1})
     assert [ids for ids, _ in got] == [references[prompt] for prompt in prompts]
     writes = [w for _, w in got]
-    assert max(writes) > 1, f"P never wrote during a forward: {writes} WRITEs per request"
+    # The last prompt went with P held until D had asked: its forward streamed.
+    assert writes[-1] > 1, f"P never wrote during a forward: {writes} WRITEs per request"
     assert "layerwise push of" in p.log_path.read_text(errors="replace")
 
 
