@@ -1,10 +1,10 @@
 """Shared-memory segments a stopped process group left behind in /dev/shm.
 
 vLLM's processes talk through POSIX shared memory: the message queues between its engine and
-workers (Python's `multiprocessing.shared_memory`, names `psm_*`) and, with TP, the CPU
-all-reduce buffers (`vllm_dist_*`). A server stopped by signal to its whole group does not
-always unlink them, and a killed one never does, so each stop used to leave a few MB in RAM
-(tmpfs) for good. `remove_orphans` unlinks such a segment once no live process has it open
+workers (Python's `multiprocessing.shared_memory`, names `psm_*`), with TP the CPU all-reduce
+buffers (`vllm_dist_*`), and multiprocessing's semaphores (`sem.mp-*`). A server stopped by
+signal to its whole group does not always unlink them, and a killed one never does, so each
+stop used to leave a few MB in RAM (tmpfs) for good. `remove_orphans` unlinks such a segment once no live process has it open
 or mapped: whoever created it is gone, and nobody can still be reading it.
 """
 
@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 SHM_DIR = Path("/dev/shm")
-PREFIXES = ("psm_", "vllm_dist_")
+PREFIXES = ("psm_", "vllm_dist_", "sem.mp-")
 
 
 def segments_in_use(proc: Path = Path("/proc"), shm_dir: Path = SHM_DIR) -> set[str]:
