@@ -5,6 +5,7 @@ not one of another name."""
 from __future__ import annotations
 
 import mmap
+import multiprocessing
 import os
 import signal
 import sys
@@ -34,7 +35,7 @@ def test_only_segments_nobody_uses_are_removed(tmp_path: Path) -> None:
         view = mmap.mmap(f.fileno(), 0)  # mapped, file closed
     fd = os.open(opened, os.O_RDONLY)
     try:
-        assert {"psm_mapped", "psm_opened"} <= segments_in_use(shm_dir=tmp_path)
+        assert {"psm_mapped", "psm_opened"} <= segments_in_use(shm_dir=tmp_path).names
         removed = remove_orphans(since, shm_dir=tmp_path)
         assert sorted(removed) == sorted([orphan.name, dist.name])
         assert not orphan.exists() and not dist.exists()
@@ -44,6 +45,47 @@ def test_only_segments_nobody_uses_are_removed(tmp_path: Path) -> None:
         os.close(fd)
     # Released: now nobody uses them.
     assert sorted(remove_orphans(since, shm_dir=tmp_path)) == ["psm_mapped", "psm_opened"]
+
+
+def test_a_segment_mapped_under_another_name_stays(tmp_path: Path) -> None:
+    """glibc's sem_open makes a semaphore under a temporary name, maps it, links it to its
+    final name and unlinks the temporary one: the creator's maps name only the temporary file,
+    '(deleted)'. The inode shows it in use."""
+    since = time.time() - 1
+    temporary = make(tmp_path / "sem.Ab12Cd")
+    with open(temporary, "r+b") as f:
+        view = mmap.mmap(f.fileno(), 0)
+    os.link(temporary, tmp_path / "sem.mp-linked")
+    temporary.unlink()
+    try:
+        assert remove_orphans(since, shm_dir=tmp_path) == []
+        assert (tmp_path / "sem.mp-linked").exists()
+    finally:
+        view.close()
+    assert remove_orphans(since, shm_dir=tmp_path) == ["sem.mp-linked"]
+
+
+def test_a_live_multiprocessing_semaphore_stays() -> None:
+    """The real thing: a spawn-context lock's named semaphore in /dev/shm, held by this
+    process, is not swept (a sweep once removed a live vLLM server's, and its engine could
+    not start)."""
+    since = time.time() - 1
+    lock = multiprocessing.get_context("spawn").Lock()
+    name = "sem." + lock._semlock.name.lstrip("/")  # type: ignore[attr-defined]
+    assert (SHM_DIR / name).exists()
+    remove_orphans(since, prefixes=("sem.mp-",))
+    assert (SHM_DIR / name).exists()
+    # a spawned child can still open it by name
+    ctx = multiprocessing.get_context("spawn")
+    child = ctx.Process(target=_take, args=(lock,))
+    child.start()
+    child.join(timeout=60)
+    assert child.exitcode == 0
+
+
+def _take(lock: object) -> None:
+    with lock:  # type: ignore[attr-defined]
+        pass
 
 
 def test_segments_older_than_the_sweep_stay(tmp_path: Path) -> None:

@@ -4,8 +4,9 @@ vLLM's processes talk through POSIX shared memory: the message queues between it
 workers (Python's `multiprocessing.shared_memory`, names `psm_*`), with TP the CPU all-reduce
 buffers (`vllm_dist_*`), and multiprocessing's semaphores (`sem.mp-*`). A server stopped by
 signal to its whole group does not always unlink them, and a killed one never does, so each
-stop used to leave a few MB in RAM (tmpfs) for good. `remove_orphans` unlinks such a segment once no live process has it open
-or mapped: whoever created it is gone, and nobody can still be reading it.
+stop used to leave a few MB in RAM (tmpfs) for good. `remove_orphans` unlinks such a segment
+once no live process has it open or mapped, under its name or any other (by inode): whoever
+created it is gone, and nobody can still be reading it.
 """
 
 from __future__ import annotations
@@ -14,18 +15,32 @@ import os
 import stat
 from collections.abc import Iterable
 from pathlib import Path
+from typing import NamedTuple
 
 SHM_DIR = Path("/dev/shm")
 PREFIXES = ("psm_", "vllm_dist_", "sem.mp-")
 
 
-def segments_in_use(proc: Path = Path("/proc"), shm_dir: Path = SHM_DIR) -> set[str]:
-    """Names of the segments under `shm_dir` some live process maps or holds open, among the
-    processes this one may inspect. One it may not (another user's, or one with privileges
-    this one lacks, e.g. a sandbox's init) is taken to hold none: `remove_orphans` only
-    considers segments of this user that only this user can open (mode 0600)."""
+class InUse(NamedTuple):
+    """What live processes hold under the shared-memory directory: names, and inode numbers.
+    Both are needed: a process that created a segment under a temporary name and linked it
+    to its final one (glibc's `sem_open` does, so multiprocessing's semaphores are made so)
+    maps it under the temporary name, since unlinked; only the inode ties the two."""
+
+    names: set[str]
+    inodes: set[int]
+
+    def holds(self, name: str, inode: int) -> bool:
+        return name in self.names or inode in self.inodes
+
+
+def segments_in_use(proc: Path = Path("/proc"), shm_dir: Path = SHM_DIR) -> InUse:
+    """The segments under `shm_dir` some live process maps or holds open, among the processes
+    this one may inspect. One it may not (another user's, or one with privileges this one
+    lacks, e.g. a sandbox's init) is taken to hold none: `remove_orphans` only considers
+    segments of this user that only this user can open (mode 0600)."""
     prefix = str(shm_dir) + "/"
-    used: set[str] = set()
+    used = InUse(set(), set())
     for entry in os.scandir(proc):
         if not entry.name.isdigit():
             continue
@@ -33,16 +48,22 @@ def segments_in_use(proc: Path = Path("/proc"), shm_dir: Path = SHM_DIR) -> set[
             with open(os.path.join(entry.path, "maps"), encoding="utf-8", errors="replace") as maps:
                 for line in maps:
                     at = line.find(prefix)
-                    if at >= 0:
-                        used.add(line[at + len(prefix):].rstrip("\n").removesuffix(" (deleted)"))
+                    if at < 0:
+                        continue
+                    used.names.add(line[at + len(prefix):].rstrip("\n").removesuffix(" (deleted)"))
+                    fields = line[:at].split()  # address perms offset dev inode
+                    if len(fields) >= 5 and fields[4].isdigit():
+                        used.inodes.add(int(fields[4]))
             fds = os.path.join(entry.path, "fd")
             for fd in os.listdir(fds):
+                link = os.path.join(fds, fd)
                 try:
-                    target = os.readlink(os.path.join(fds, fd))
+                    target = os.readlink(link)
+                    if target.startswith(prefix):
+                        used.names.add(target[len(prefix):].removesuffix(" (deleted)"))
+                        used.inodes.add(os.stat(link).st_ino)
                 except FileNotFoundError:
                     continue
-                if target.startswith(prefix):
-                    used.add(target[len(prefix):].removesuffix(" (deleted)"))
         except (FileNotFoundError, ProcessLookupError):
             continue  # it exited while we looked: it holds nothing any more
         except PermissionError:
@@ -67,13 +88,13 @@ def remove_orphans(since: float, prefixes: Iterable[str] = PREFIXES, shm_dir: Pa
         except FileNotFoundError:
             continue
         if st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) == 0o600 and st.st_ctime >= since:
-            candidates.append(entry.name)
+            candidates.append((entry.name, st.st_ino))
     if not candidates:
         return []
     used = segments_in_use(proc, shm_dir)
     removed = []
-    for name in candidates:
-        if name in used:
+    for name, inode in candidates:
+        if used.holds(name, inode):
             continue
         try:
             (shm_dir / name).unlink()
