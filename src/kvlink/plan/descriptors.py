@@ -63,16 +63,22 @@ def desc_ids_hybrid(
 def page_descs(
     base: int, page_stride: int, num_pages: int,
     offsets: Sequence[int] | IntArray, lengths: Sequence[int] | IntArray, device_id: int,
+    out: DescArray | None = None,
 ) -> DescArray:
-    """Descriptors for pieces (`offsets`, `lengths` within a page) of every page, page-major."""
+    """Descriptors for pieces (`offsets`, `lengths` within a page) of every page, page-major;
+    written into `out` (`num_pages * len(offsets)` rows) when given."""
     offs = np.asarray(offsets, dtype=np.uint64)
     lens = np.asarray(lengths, dtype=np.uint64)
     pages = np.arange(num_pages, dtype=np.uint64) * np.uint64(page_stride) + np.uint64(base)
-    descs = np.empty((num_pages, offs.size, 3), dtype=np.uint64)
+    if out is None:
+        out = np.empty((num_pages * offs.size, 3), dtype=np.uint64)
+    elif out.shape != (num_pages * offs.size, 3) or out.dtype != np.uint64:
+        raise ValueError(f"out has shape {out.shape} {out.dtype}, not ({num_pages * offs.size}, 3) uint64")
+    descs = out.reshape(num_pages, offs.size, 3)
     descs[:, :, 0] = pages[:, None] + offs[None, :]
     descs[:, :, 1] = lens[None, :]
     descs[:, :, 2] = device_id
-    return descs.reshape(-1, 3)
+    return out
 
 
 def locate(descs: DescArray, region_bases: Sequence[int] | IntArray) -> tuple[IntArray, IntArray]:

@@ -65,7 +65,7 @@ def sample_block_ids(model: ModelSpec, tokens: int, block_size: int, skip_blocks
     """Block ids of a sample request: consecutive from 0 (best case), or shuffled."""
     count = blocks_for(tokens, block_size)
     order = np.arange(count) if scatter_seed is None else np.random.default_rng(scatter_seed).permutation(count)
-    return [[count - 1] if is_ssm(g) else [int(b) for b in order[skip_blocks:]] for g in model.groups]
+    return [[count - 1] if is_ssm(g) else order[skip_blocks:].tolist() for g in model.groups]
 
 
 def region_info(region: Region) -> dict[str, Any]:

@@ -11,7 +11,7 @@ the page order (one segment for kvlink's token-major pages).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import gcd
 
 import numpy as np
@@ -46,23 +46,29 @@ class TransferPlan(PreparedPlan):
 
 @dataclass
 class _ListBuilder:
-    """Accumulates one side's descriptor list and hands out region start ids."""
+    """One side's descriptor list: regions are added first (each gets its start id), and the
+    list is written once, in place, at the end (no second copy of a list that may take
+    hundreds of MB)."""
 
     device_id: int
-    chunks: list[DescArray]
+    parts: list[tuple[Region, int, IntArray, IntArray]] = field(default_factory=list)
     size: int = 0
 
     def add(self, region: Region, num_pages: int, offsets: IntArray, lengths: IntArray) -> int:
         start = self.size
-        descs = page_descs(region.base, region.page_stride, num_pages, offsets, lengths, self.device_id)
-        self.chunks.append(descs)
-        self.size += len(descs)
+        self.parts.append((region, num_pages, offsets, lengths))
+        self.size += num_pages * len(offsets)
         return start
 
     def array(self) -> DescArray:
-        if not self.chunks:
-            return np.zeros((0, 3), dtype=np.uint64)
-        return np.concatenate(self.chunks)
+        descs = np.empty((self.size, 3), dtype=np.uint64)
+        at = 0
+        for region, num_pages, offsets, lengths in self.parts:
+            count = num_pages * len(offsets)
+            page_descs(region.base, region.page_stride, num_pages, offsets, lengths, self.device_id,
+                       out=descs[at:at + count])
+            at += count
+        return descs
 
 
 def _attention_pieces(
@@ -97,7 +103,7 @@ def _chunk_offsets(piece_offsets: IntArray, chunks_per_block: int, chunk_strides
 def _build_source(plan_args: _PlanArgs, src: int) -> SourcePlan:
     local, remote, mapping, chunk = plan_args.local, plan_args.remotes[src], plan_args.mapping, plan_args.chunk
     whole = local.kernel_block_size == remote.kernel_block_size
-    local_list, remote_list = _ListBuilder(local.device_id, []), _ListBuilder(remote.device_id, [])
+    local_list, remote_list = _ListBuilder(local.device_id), _ListBuilder(remote.device_id)
     att: dict[int, list[tuple[int, int, int, int, int]]] = {}
     for local_reg, remote_reg in zip(local.attention_regions, remote.attention_regions, strict=True):
         key = "kv" if local_reg.kind == "attention" else f"g{local_reg.group}.latent"
