@@ -79,8 +79,13 @@ def test_a_live_multiprocessing_semaphore_stays() -> None:
     ctx = multiprocessing.get_context("spawn")
     child = ctx.Process(target=_take, args=(lock,))
     child.start()
-    child.join(timeout=60)
-    assert child.exitcode == 0
+    try:
+        child.join(timeout=60)
+        assert child.exitcode == 0
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join(timeout=10)
 
 
 def _take(lock: object) -> None:

@@ -22,10 +22,11 @@ PREFIXES = ("psm_", "vllm_dist_", "sem.mp-")
 
 
 class InUse(NamedTuple):
-    """What live processes hold under the shared-memory directory: names, and inode numbers.
-    Both are needed: a process that created a segment under a temporary name and linked it
-    to its final one (glibc's `sem_open` does, so multiprocessing's semaphores are made so)
-    maps it under the temporary name, since unlinked; only the inode ties the two."""
+    """What live processes hold under the shared-memory directory: inode numbers, and names.
+    The inode is what counts: a process that created a segment under a temporary name and
+    linked it to its final one (glibc's `sem_open` does, so multiprocessing's semaphores are
+    made so) maps it under the temporary name, since unlinked. The name is kept as a second
+    key for a file system whose maps report another inode than `stat` does."""
 
     names: set[str]
     inodes: set[int]
