@@ -96,9 +96,36 @@ def test_verdicts_name_the_worst_size() -> None:
     assert "| 4,096 | contiguous |" in text and "0.89 (0.79–0.99)" in text and "n/a (push)" in text
 
 
+def test_verify_cost_verdicts_take_each_mode_against_off() -> None:
+    """Several verify-kv modes: the raw-NIXL verdicts look at the first mode's rows only, and
+    each checked mode gets a verdict of its per-round time over `off`'s against its target."""
+    def moded(tokens: int, layout: str, mode: str, ratio: float, cost: float | None) -> dict[str, object]:
+        row = {**_row(tokens, layout, ratio), "verify_kv": mode}
+        if cost is not None:
+            row.update(time_vs_base=cost, time_vs_base_all=[cost - 0.01, cost, cost + 0.02])
+        return row
+
+    rows = [moded(512, "contiguous", "off", 0.95, None), moded(512, "contiguous", "sample", 0.5, 1.04),
+            moded(512, "contiguous", "full", 0.4, 1.6), moded(512, "fragmented", "off", 0.92, None),
+            moded(512, "fragmented", "sample", 0.5, 1.02), moded(512, "fragmented", "full", 0.4, 1.45)]
+    lines = verdicts({"rows": rows, "verify_modes": ["off", "sample", "full"]})
+    assert lines[0].startswith("contiguous connector >= 0.9x raw NIXL, one descriptor: MET")  # off's rows
+    assert lines[1].startswith("fragmented connector >= 0.9x raw NIXL, same descriptor sizes: MET")
+    assert lines[3].startswith("verify-kv sample load time <= 1.05x off's: MET")
+    assert lines[4].startswith("verify-kv full load time <= 1.5x off's: NOT MET")
+    assert "worst 1.600 at 512 tokens contiguous" in lines[4]
+    text = table({"rows": rows, "verify_modes": ["off", "sample", "full"]})
+    assert "time / off's" in text and "| full | 1.600 (1.59–1.62) |" in text and "| off |  |" in text
+    # no target against a first mode other than off
+    checked = [r for r in rows if r["verify_kv"] != "off"]
+    assert len(verdicts({"rows": checked, "verify_modes": ["sample", "full"]})) == 3
+
+
 @pytest.mark.parametrize("bad", [
     {"tokens": [0]}, {"tokens": []}, {"repeats": 0}, {"min_seconds": -1.0}, {"max_gib": 0.0},
     {"p_tp": 0}, {"mode": "sideways"}, {"d_netns": "kvd1"},  # a namespace needs a non-loopback --d-host
+    {"verify_kv": "off,off"}, {"verify_kv": "off,bogus"}, {"verify_kv": ""}, {"verify_kv": 3},
+    {"verify_kv": "off,sample", "memory": "cuda"},
 ])
 def test_bad_options_are_refused(bad: dict[str, object]) -> None:
     with pytest.raises(ValueError):
@@ -158,3 +185,32 @@ def test_bench_transfer_runs_between_processes(tmp_path: Path) -> None:
             assert row["raw_desc_bytes"] == row["rank0_nbytes"] // row["rank0_descriptors"]
             assert 0 <= row["rank0_nbytes"] - row["raw_descriptors"] * row["raw_desc_bytes"] < row["raw_desc_bytes"]
     assert len(result["verdicts"]) == 3
+
+
+def test_bench_transfer_times_several_verify_modes_in_the_same_rounds(tmp_path: Path) -> None:
+    """`--verify-kv off,sample`: one D per mode reads from the same P in every round; each
+    mode's row moves the same bytes, its pages match P's, and the checked mode carries its
+    per-round time over off's."""
+    out = tmp_path / "t.json"
+    env = {**os.environ, "UCX_NET_DEVICES": "lo"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvlink.cli.main", "bench", "transfer", "--preset", "smollm2-135m",
+         "--tokens", "32", "--repeats", "3", "--min-seconds", "0", "--verify-kv", "off,sample",
+         "--json", str(out)], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["verify_modes"] == ["off", "sample"]
+    rows = result["rows"]
+    assert [(r["layout"], r["verify_kv"]) for r in rows] == [
+        ("contiguous", "off"), ("contiguous", "sample"), ("fragmented", "off"), ("fragmented", "sample")]
+    for off, sample in (rows[:2], rows[2:]):
+        assert off["nbytes"] == sample["nbytes"] == 2 * 16 * result["sizes"]["token_bytes"]
+        assert off["verified_pages"] == sample["verified_pages"] == 16
+        assert "time_vs_base" not in off
+        assert sample["time_vs_base_all"] == pytest.approx(
+            [s / o for s, o in zip(sample["wall_all_s"], off["wall_all_s"], strict=True)])
+        assert off["raw_all_s"] == sample["raw_all_s"]  # one raw READ per round, shared
+    assert any(line.startswith("verify-kv sample load time <= 1.05x off's") for line in result["verdicts"])
+    refused = subprocess.run([sys.executable, "-m", "kvlink.cli.main", "bench", "transfer", "--verify-kv", "off,off"],
+                             env=env, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "each once" in refused.stderr

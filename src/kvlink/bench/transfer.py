@@ -13,6 +13,10 @@ cut (the same for every size) so that one side's pool stays under `max_gib`.
 `memory="cuda"` puts both sides' KV in GPU memory (torch CUDA tensors on device 0,
 registered with NIXL as VRAM) and times a device-to-device torch copy instead of the numpy
 one. The connector's KV digests read pages through host pointers, so that needs `verify_kv="off"`.
+
+`verify_kv` may name several modes ("off,sample,full"): then one D engine per mode reads
+from the same P, and each round times every one of them next to the others, so the cost
+of the KV check is a per-round ratio against the first mode, like the baselines.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from kvlink.bench.transfer_proc import (
 from kvlink.bench.transfer_report import progress_line
 from kvlink.bench.transfer_stats import load_figures, ratios, summarize
 from kvlink.connector.api import RequestView
-from kvlink.connector.config import ConnectorConfig
+from kvlink.connector.config import VERIFY_MODES, ConnectorConfig
 from kvlink.connector.scheduler import NixlScheduler
 from kvlink.connector.secret import new_secret
 from kvlink.layout.geometry import build_worker_geometry, packed_base_addrs
@@ -77,7 +81,7 @@ class BenchOptions:
     d_tp: int = 1
     mode: str = "pull"
     block_size: int = 16
-    verify_kv: str = ConnectorConfig.verify_kv
+    verify_kv: str = ConnectorConfig.verify_kv  # one mode, or several comma-separated (one D each)
     repeats: int = 9
     min_seconds: float = 1.0
     max_rounds: int = 60
@@ -106,13 +110,30 @@ class BenchOptions:
             raise ValueError(f"--mode must be pull or push, got {self.mode!r}")
         if self.memory not in MEMORY_KINDS:
             raise ValueError(f"--memory must be one of {', '.join(MEMORY_KINDS)}, got {self.memory!r}")
-        if self.memory == "cuda" and self.verify_kv != "off":
+        if not isinstance(self.verify_kv, str):
+            raise ValueError(f"--verify-kv: expected a string of modes, got {self.verify_kv!r}")
+        modes = self.verify_modes
+        bad = [m for m in modes if m not in VERIFY_MODES]
+        if not modes or bad or len(set(modes)) != len(modes):
+            raise ValueError(f"--verify-kv: expected one or more of {', '.join(VERIFY_MODES)}, comma-separated, "
+                             f"each once; got {self.verify_kv!r}")
+        if self.memory == "cuda" and modes != ["off"]:
             raise ValueError(f"--memory cuda needs --verify-kv off (got {self.verify_kv}): the connector's "
                              "KV digests read the pages through host pointers, which GPU memory is not")
         for side, netns, host in (("p", self.p_netns, self.p_host), ("d", self.d_netns, self.d_host)):
             if netns is not None and host.startswith("127."):
                 raise ValueError(f"--{side}-netns {netns}: expected --{side}-host, an address of that "
                                  f"namespace the other side can reach; got {host} (loopback)")
+
+    @property
+    def verify_modes(self) -> list[str]:
+        """The D engines' `verify_kv` modes, in the order given (the first is the others' baseline)."""
+        return [m.strip() for m in self.verify_kv.split(",")] if self.verify_kv else []
+
+    @property
+    def p_verify_kv(self) -> str:
+        """P's mode: it seals its blocks when any D checks them (`sample` and `full` seal alike)."""
+        return next((m for m in self.verify_modes if m != "off"), "off")
 
 
 def per_layer_token_bytes(options: BenchOptions) -> int:
@@ -192,9 +213,9 @@ class _Side:
     """The P or D engine of the benchmark: tp worker processes and a scheduler side."""
 
     def __init__(self, engine_id: str, tp: int, options: BenchOptions, sizes: dict[str, Any],
-                 log_dir: Path, fill: str, env: dict[str, str], secret: str,
+                 log_dir: Path, fill: str, env: dict[str, str], secret: str, verify_kv: str,
                  host: str = "127.0.0.1", netns: str | None = None) -> None:
-        self.engine_id, self.tp = engine_id, tp
+        self.engine_id, self.tp, self.verify_kv = engine_id, tp, verify_kv
         self.port = free_port(tp)
         prefix = ["ip", "netns", "exec", netns] if netns else []
         # In a namespace UCX uses the link the side channel is on, nothing else.
@@ -203,7 +224,7 @@ class _Side:
         cfg = {"engine_id": engine_id, "tp": tp, "port": self.port, "host": host, "model": options.preset,
                "layers": sizes["layers"], "block_size": options.block_size,
                "num_blocks": sizes["pool_blocks"], "fill": fill, "lease_s": 120.0,
-               "stall_timeout_s": 60.0, "transfer_mode": options.mode, "verify_kv": options.verify_kv,
+               "stall_timeout_s": 60.0, "transfer_mode": options.mode, "verify_kv": verify_kv,
                "active_poll_s": float(os.environ.get("KVLINK_BENCH_POLL_S", "0.001")),
                "memory": options.memory}
         self.peers = [
@@ -215,7 +236,7 @@ class _Side:
         self.sched = NixlScheduler(ConnectorConfig(engine_id, side_channel_port=self.port,
                                                    side_channel_host=host, lease_s=120.0,
                                                    transfer_mode=options.mode,  # type: ignore[arg-type]
-                                                   verify_kv=options.verify_kv,
+                                                   verify_kv=verify_kv,
                                                    secret=secret.encode()), tp)
 
 
@@ -269,22 +290,27 @@ def run_bench(options: BenchOptions, log: Log = print) -> dict[str, Any]:
     ucx_env = {"UCX_PROTO_INFO": "y"}
     started = time.perf_counter()
     secret = new_secret()  # one deployment: P and D sign their params and notifications with it
-    p = _Side("benchP", options.p_tp, options, sizes, log_dir, "pattern", {}, secret,
+    p = _Side("benchP", options.p_tp, options, sizes, log_dir, "pattern", {}, secret, options.p_verify_kv,
               options.p_host, options.p_netns)
-    d = _Side("benchD", options.d_tp, options, sizes, log_dir, "fill", ucx_env, secret,
-              options.d_host, options.d_netns)
-    for side in (p, d):
+    modes = options.verify_modes
+    ds = [_Side("benchD" if i == 0 else f"benchD-{mode}", options.d_tp, options, sizes, log_dir, "fill",
+                ucx_env if i == 0 else {}, secret, mode, options.d_host, options.d_netns)
+          for i, mode in enumerate(modes)]
+    if len(ds) > 1:
+        log(f"  one D engine per verify-kv mode ({', '.join(modes)}), each with its own pool, reading "
+            f"from the same P; costs are per-round time ratios against {modes[0]}")
+    for side in (p, *ds):
         if side.netns_device:
             log(f"  {side.engine_id} in network namespace {side.netns_device[0]}, "
                 f"UCX_NET_DEVICES={side.netns_device[1]}")
-    peers = p.peers + d.peers
+    peers = p.peers + [peer for d in ds for peer in d.peers]
     try:
         for peer in peers:
             peer.wait_ready(120.0)
         log(f"  {len(peers)} worker processes ready in {time.perf_counter() - started:.1f} s (logs: {log_dir})")
-        runner = _Runner(options, sizes, p, d, log)
+        runner = _Runner(options, sizes, p, ds, log)
         result = runner.run(memcpy)
-        result["ucx_get_protocol"] = _ucx_get_protocol(d.peers[0].log_tail(2_000_000))
+        result["ucx_get_protocol"] = _ucx_get_protocol(ds[0].peers[0].log_tail(2_000_000))
         result["ucx_tls"] = os.environ.get("UCX_TLS", "")
         result["memcpy_label"] = memcpy_label(options.memory)
         log(f"  UCX remote-read protocol (D rank 0): {result['ucx_get_protocol']}")
@@ -298,8 +324,9 @@ def _memory_words(memory: str) -> str:
 
 
 class _Runner:
-    def __init__(self, options: BenchOptions, sizes: dict[str, Any], p: _Side, d: _Side, log: Log) -> None:
-        self.o, self.sizes, self.p, self.d, self.log = options, sizes, p, d, log
+    def __init__(self, options: BenchOptions, sizes: dict[str, Any], p: _Side, ds: list[_Side], log: Log) -> None:
+        self.o, self.sizes, self.p, self.ds, self.log = options, sizes, p, ds, log
+        self.d = ds[0]  # the first mode's D: it also runs the baselines
         self.rng = np.random.default_rng(options.seed)
         self.count = 0
 
@@ -311,9 +338,10 @@ class _Runner:
         return ([int(x) for x in self.rng.permutation(pool)[:n]],
                 [int(x) for x in self.rng.permutation(pool)[:n]])
 
-    def prepare(self, tokens: int, p_ids: list[int], d_ids: list[int]) -> dict[str, Any]:
+    def prepare(self, tokens: int, p_ids: list[int], d_ids: list[int], d: _Side | None = None) -> dict[str, Any]:
         """P finishes the request and holds its blocks; D's scheduler side allocates and
         returns the load entry its workers would get (nothing moves yet)."""
+        d = d or self.d
         self.count += 1
         rid = f"r{self.count}"
         prompt = list(range(tokens + 1))
@@ -322,21 +350,21 @@ class _Runner:
         assert params is not None
         call_all(self.p.peers, "step", **dataclasses.asdict(self.p.sched.build_step_metadata()))
         view = RequestView(f"d-{rid}", prompt, params)
-        self.d.sched.on_new_request(view)
-        count, _ = self.d.sched.get_num_new_matched_tokens(view, 0)
-        self.d.sched.update_state_after_alloc(view, [d_ids], count, 0)
-        (entry,) = self.d.sched.build_step_metadata().loads
+        d.sched.on_new_request(view)
+        count, _ = d.sched.get_num_new_matched_tokens(view, 0)
+        d.sched.update_state_after_alloc(view, [d_ids], count, 0)
+        (entry,) = d.sched.build_step_metadata().loads
         entry["_bench_rid"] = rid
         return entry
 
-    def request(self, tokens: int, p_ids: list[int], d_ids: list[int]) -> dict[str, Any]:
+    def request(self, tokens: int, p_ids: list[int], d_ids: list[int], d: _Side | None = None) -> dict[str, Any]:
         """One whole request: prepare, then `load`."""
-        return self.load(self.prepare(tokens, p_ids, d_ids))
+        return self.load(self.prepare(tokens, p_ids, d_ids, d), d)
 
-    def load(self, entry: dict[str, Any]) -> dict[str, Any]:
+    def load(self, entry: dict[str, Any], d: _Side | None = None) -> dict[str, Any]:
         """Every D rank loads the prepared request through the connector (timed); P frees it."""
         rid = entry.pop("_bench_rid")
-        results = call_all(self.d.peers, "load_timed", timeout_s=120.0, entry=entry)
+        results = call_all((d or self.d).peers, "load_timed", timeout_s=120.0, entry=entry)
         bad = [r["status"] for r in results if r["status"] != "done"]
         if bad:
             raise RuntimeError(f"load {rid} did not finish: {bad}")
@@ -359,29 +387,37 @@ class _Runner:
         handshake_s = (first["wall_s"] - first["nixl_wall_s"]) - (again["wall_s"] - again["nixl_wall_s"])
         self.log(f"  first request incl. handshake {first['wall_s'] * 1e3:.1f} ms, the same again "
                  f"{again['wall_s'] * 1e3:.1f} ms -> handshake ~{handshake_s * 1e3:.1f} ms (time outside the copy)")
+        for d in self.ds[1:]:  # the other modes' engines shake hands before anything is timed
+            for _ in range(2):
+                self.request(o.tokens[0], *first_ids, d)
         # the P ranks D rank 0 reads from (all of them when P has more ranks, else one)
         sources = self.p.peers[: max(1, self.o.p_tp // self.o.d_tp)]
         remotes = [peer.call("raw_expose") for peer in sources]
         rows = []
         for tokens in o.tokens:
             for layout in ("contiguous", "fragmented"):
-                rows.append(self._measure(tokens, layout, remotes, memcpy[tokens]))
-                self.log(progress_line(rows[-1]))
+                measured = self._measure(tokens, layout, remotes, memcpy[tokens])
+                for row in measured:
+                    self.log(progress_line(row))
+                rows += measured
         return {"options": dataclasses.asdict(o), "sizes": self.sizes, "handshake_s": handshake_s,
-                "first_request_s": first["wall_s"], "rows": rows, "memcpy": memcpy}
+                "first_request_s": first["wall_s"], "rows": rows, "memcpy": memcpy,
+                "verify_modes": o.verify_modes}
 
     def _measure(self, tokens: int, layout: str, remotes: list[dict[str, Any]],
-                 memcpy: dict[str, float]) -> dict[str, Any]:
-        """`repeats` rounds; each round times the connector, raw NIXL and (pull) NIXL over the
-        connector's own descriptors on the same block ids, in an order rotated every round so
-        that no method always runs first or after the same neighbour. The ratios are taken
-        per round (neighbours in time see the same machine), then their median."""
-        samples: list[dict[str, Any]] = []
+                 memcpy: dict[str, float]) -> list[dict[str, Any]]:
+        """`repeats` rounds; each round times the connector (once per verify-kv mode, each
+        through its own D), raw NIXL and (pull) NIXL over the first D's own descriptors on the
+        same block ids, in an order rotated every round so that no method always runs first or
+        after the same neighbour. The ratios are taken per round (neighbours in time see the
+        same machine), then their median. One row per verify-kv mode."""
+        modes = self.o.verify_modes
+        samples: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
         raw_times: list[float] = []
         same_times: list[float] = []
         raw: dict[str, Any] = {}
         desc = 0
-        methods = ["connector", "raw", "same"] if self.o.mode == "pull" else ["connector", "raw"]
+        methods = [*modes, "raw", *(["same"] if self.o.mode == "pull" else [])]
         rounds = self.o.repeats
         i = 0
         while i < rounds:
@@ -389,13 +425,14 @@ class _Runner:
             entry = self.prepare(tokens, p_ids, d_ids)
             order = methods[i % len(methods):] + methods[:i % len(methods)]
             for method in order:
-                if method == "connector":
-                    samples.append(self.load(entry))
+                if method in samples:
+                    d = self.ds[modes.index(method)]
+                    samples[method].append(self.load(entry if d is self.d else self.prepare(tokens, p_ids, d_ids, d), d))
                 elif method == "same":
                     same = call_all(self.d.peers, "plan_read", timeout_s=120.0, entry=entry)
                     same_times.append(max(r["wall_s"] for r in same))
                 else:
-                    first = samples[0]  # round 0 runs the connector first: its stats give the sizes
+                    first = samples[modes[0]][0]  # round 0 runs the first D first: its stats give the sizes
                     if not desc:
                         desc = first["rank0_nbytes"] if layout == "contiguous" else \
                             first["rank0_nbytes"] // max(1, first["rank0_descriptors"])
@@ -404,35 +441,42 @@ class _Runner:
                         desc_bytes=desc, repeats=1, seed=tokens + len(raw_times), remotes=remotes)
                     raw_times += raw["times_s"]
             if i == 0:  # small transfers are noisy: more rounds, up to about min_seconds each
-                wall = samples[0]["wall_s"]
+                wall = samples[modes[0]][0]["wall_s"]
                 rounds = max(rounds, min(self.o.max_rounds, math.ceil(self.o.min_seconds / max(wall, 1e-6))))
             i += 1
-        # an untimed request whose pages are then compared (the raw READs overwrite D's buffer)
-        p_ids, d_ids = self._ids(tokens, layout)
-        self.request(tokens, p_ids, d_ids)
-        row = summarize(tokens, layout, samples, memcpy)
-        row["verified_pages"] = self._verify(p_ids, d_ids)
-        walls = [s["wall_s"] for s in samples]
-        raw_s = statistics.median(raw_times)
-        row.update(raw_s=raw_s, raw_gbps=row["rank0_nbytes"] / raw_s / 1e9, raw_all_s=raw_times,
-                   raw_descriptors=raw["descriptors"], raw_merged=raw["merged_descriptors"],
-                   raw_desc_bytes=raw["desc_bytes"])
-        row.update(ratios("ratio_vs_raw", raw_times, walls))
-        if same_times:
-            row.update(same_s=statistics.median(same_times), same_all_s=same_times)
-            row.update(ratios("ratio_vs_same", same_times, walls))
-        return row
+        rows = []
+        base_walls = [s["wall_s"] for s in samples[modes[0]]]
+        for mode, d in zip(modes, self.ds, strict=True):
+            # an untimed request whose pages are then compared (the raw READs overwrite D's buffer)
+            p_ids, d_ids = self._ids(tokens, layout)
+            self.request(tokens, p_ids, d_ids, d)
+            row = summarize(tokens, layout, samples[mode], memcpy)
+            row["verify_kv"] = mode
+            row["verified_pages"] = self._verify(p_ids, d_ids, d)
+            walls = [s["wall_s"] for s in samples[mode]]
+            raw_s = statistics.median(raw_times)
+            row.update(raw_s=raw_s, raw_gbps=row["rank0_nbytes"] / raw_s / 1e9, raw_all_s=raw_times,
+                       raw_descriptors=raw["descriptors"], raw_merged=raw["merged_descriptors"],
+                       raw_desc_bytes=raw["desc_bytes"])
+            row.update(ratios("ratio_vs_raw", raw_times, walls))
+            if same_times:
+                row.update(same_s=statistics.median(same_times), same_all_s=same_times)
+                row.update(ratios("ratio_vs_same", same_times, walls))
+            if mode != modes[0]:  # this mode's time over the first mode's, per round
+                row.update(ratios("time_vs_base", walls, base_walls))
+            rows.append(row)
+        return rows
 
-    def _verify(self, p_ids: list[int], d_ids: list[int]) -> int:
+    def _verify(self, p_ids: list[int], d_ids: list[int], d: _Side) -> int:
         """Compare digests of sampled pages on P and D (same TP and block size only)."""
         if self.o.p_tp != self.o.d_tp:
             return 0
-        info = self.d.peers[0].call("info")
+        info = d.peers[0].call("info")
         picks = [(int(self.rng.integers(info["regions"])), int(self.rng.integers(len(d_ids) - 1)))
                  for _ in range(16)]
         for rank in range(self.o.d_tp):
             want = self.p.peers[rank].call("digest", pages=[(r, p_ids[i]) for r, i in picks])["digests"]
-            got = self.d.peers[rank].call("digest", pages=[(r, d_ids[i]) for r, i in picks])["digests"]
+            got = d.peers[rank].call("digest", pages=[(r, d_ids[i]) for r, i in picks])["digests"]
             if want != got:
                 raise RuntimeError(f"rank {rank}: moved pages differ from P's (digest mismatch)")
         return len(picks) * self.o.d_tp

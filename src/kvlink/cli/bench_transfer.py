@@ -30,6 +30,15 @@ from kvlink.layout.limits import (
 from kvlink.layout.presets import PRESETS
 
 
+def verify_modes(text: str) -> str:
+    """--verify-kv: one mode or several, comma-separated, each once."""
+    modes = [m.strip() for m in text.split(",")]
+    if not text.strip() or any(m not in VERIFY_MODES for m in modes) or len(set(modes)) != len(modes):
+        raise argparse.ArgumentTypeError(f"expected one or more of {', '.join(VERIFY_MODES)}, "
+                                         f"comma-separated, each once; got {text!r}")
+    return ",".join(modes)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="llama3-8b", choices=sorted(PRESETS),
                         help="model preset (attention or MLA)")
@@ -39,10 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--d-tp", type=ranged(TP), default=1, help="decode TP size")
     parser.add_argument("--mode", choices=("pull", "push"), default="pull")
     parser.add_argument("--block-size", type=ranged(BLOCK_SIZE), default=16)
-    parser.add_argument("--verify-kv", choices=VERIFY_MODES, default=None,
+    parser.add_argument("--verify-kv", type=verify_modes, default=None, metavar="MODE[,MODE...]",
                         help="KV integrity check of every request (off, sample, full; default "
                              f"{ConnectorConfig.verify_kv}, the connector's; off with --memory cuda, "
-                             "which takes no other)")
+                             "which takes no other). Several, comma-separated (off,sample,full): one D "
+                             "engine per mode, each with its own pool, timed in the same rounds; "
+                             "each mode's cost is its time over the first mode's, per round")
     parser.add_argument("--memory", choices=MEMORY_KINDS, default="cpu",
                         help="where P's and D's KV live: cpu (host memory, NIXL DRAM; default) or cuda "
                              "(torch tensors on CUDA device 0, NIXL VRAM; needs a GPU)")
