@@ -348,7 +348,12 @@ class _Runner:
         _, params = self.p.sched.request_finished(RequestView(rid, prompt, {"do_remote_decode": True}),
                                                   [p_ids], aborted=False)
         assert params is not None
-        call_all(self.p.peers, "step", **dataclasses.asdict(self.p.sched.build_step_metadata()))
+        step = dataclasses.asdict(self.p.sched.build_step_metadata())
+        if d.verify_kv == "off":  # as from a P that checks nothing: this request is not sealed
+            for save in step["saves"]:
+                save.pop("token_ids", None)
+                save.pop("num_tokens", None)
+        call_all(self.p.peers, "step", **step)
         view = RequestView(f"d-{rid}", prompt, params)
         d.sched.on_new_request(view)
         count, _ = d.sched.get_num_new_matched_tokens(view, 0)
@@ -410,7 +415,11 @@ class _Runner:
         through its own D), raw NIXL and (pull) NIXL over the first D's own descriptors on the
         same block ids, in an order rotated every round so that no method always runs first or
         after the same neighbour. The ratios are taken per round (neighbours in time see the
-        same machine), then their median. One row per verify-kv mode."""
+        same machine), then their median. One row per verify-kv mode.
+
+        Each connector load's request is finished on P (and sealed there, unless its D runs
+        with `off`) right before the load, so every mode meets P in the state its own
+        deployment would: P's seal of a request just before D reads it is part of its cost."""
         modes = self.o.verify_modes
         samples: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
         raw_times: list[float] = []
@@ -420,15 +429,19 @@ class _Runner:
         methods = [*modes, "raw", *(["same"] if self.o.mode == "pull" else [])]
         rounds = self.o.repeats
         i = 0
+        template: dict[str, Any] = {}
         while i < rounds:
             p_ids, d_ids = self._ids(tokens, layout)
-            entry = self.prepare(tokens, p_ids, d_ids)
             order = methods[i % len(methods):] + methods[:i % len(methods)]
             for method in order:
                 if method in samples:
                     d = self.ds[modes.index(method)]
-                    samples[method].append(self.load(entry if d is self.d else self.prepare(tokens, p_ids, d_ids, d), d))
-                elif method == "same":
+                    entry = self.prepare(tokens, p_ids, d_ids, d)
+                    if d is self.d:
+                        template = {k: v for k, v in entry.items() if k != "_bench_rid"}
+                    samples[method].append(self.load(entry, d))
+                elif method == "same":  # the first D's READ of this round's ids (round 0 ran it first)
+                    entry = {**template, "remote_block_ids": [list(p_ids)], "local_block_ids": [list(d_ids)]}
                     same = call_all(self.d.peers, "plan_read", timeout_s=120.0, entry=entry)
                     same_times.append(max(r["wall_s"] for r in same))
                 else:
