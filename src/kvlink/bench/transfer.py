@@ -62,6 +62,7 @@ from kvlink.layout.limits import (
     int_range,
 )
 from kvlink.layout.presets import preset
+from kvlink.plan.compat import side_problems
 from kvlink.procs.launcher import free_port
 from kvlink.transfer.framing import SECRET_ENV
 
@@ -148,9 +149,17 @@ def plan_sizes(options: BenchOptions) -> dict[str, Any]:
     model = preset(options.preset)
     if any(g.kind not in ("full", "mla") for g in model.groups):
         raise ValueError("bench transfer supports attention and MLA presets (llama3-8b, smollm2-135m, deepseek-mla)")
+    problems = side_problems("--p-tp", model, options.p_tp, options.block_size, options.block_size)
+    problems += side_problems("--d-tp", model, options.d_tp, options.block_size, options.block_size)
+    if problems:
+        raise ValueError(f"{options.preset}: " + "; ".join(problems))
     pool = math.ceil((max(options.tokens) + 1) / options.block_size) + 1
     per_layer = per_layer_token_bytes(options) * options.block_size * pool
-    cap = max(1, int(options.max_gib * 2**30 // per_layer))
+    cap = int(options.max_gib * 2**30 // per_layer)
+    if cap < 1:
+        raise ValueError(f"--tokens {max(options.tokens)}: one layer's pool ({pool} blocks of {options.block_size} "
+                         f"tokens) takes {per_layer / 2**30:.2f} GiB per side, over --max-gib {options.max_gib:g}; "
+                         "raise --max-gib or ask for fewer tokens")
     layers = min(model.num_layers, options.layers or model.num_layers, cap)
     return {"pool_blocks": pool, "layers": layers, "model_layers": model.num_layers,
             "side_bytes": per_layer * layers, "token_bytes": per_layer_token_bytes(options) * layers}
@@ -481,8 +490,9 @@ class _Runner:
         return rows
 
     def _verify(self, p_ids: list[int], d_ids: list[int], d: _Side) -> int:
-        """Compare digests of sampled pages on P and D (same TP and block size only)."""
-        if self.o.p_tp != self.o.d_tp:
+        """Compare digests of sampled pages on P and D (same TP and block size only; whole
+        pages only: the last block of a request may be partly filled)."""
+        if self.o.p_tp != self.o.d_tp or len(d_ids) < 2:
             return 0
         info = d.peers[0].call("info")
         picks = [(int(self.rng.integers(info["regions"])), int(self.rng.integers(len(d_ids) - 1)))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
+from pathlib import Path
 from typing import Any
 
 
@@ -31,3 +33,37 @@ def env_pair(text: str) -> tuple[str, str]:
     if not sep or not name or not name.replace("_", "").isalnum():
         raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
     return name, value
+
+
+def output_file(text: str) -> Path:
+    """A file a command writes when it is done: checked before it starts (its directory is
+    made and the file opened for writing; one made only for the check is removed again), so a
+    long run does not end in a traceback over a path it could never write."""
+    path = Path(text)
+    if not text or path.is_dir():
+        raise argparse.ArgumentTypeError(f"expected a file path, got {text!r}" + (" (a directory)" if text else ""))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        existed = path.exists()
+        with open(path, "a"):
+            pass
+        if not existed:
+            path.unlink()
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot write {text}: {error.strerror or error}") from None
+    return path
+
+
+def output_dir(text: str) -> Path:
+    """A directory a command writes into: made now, and checked writable (a file is created
+    and removed in it)."""
+    path = Path(text)
+    if not text:
+        raise argparse.ArgumentTypeError("expected a directory path, got ''")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".kvlink-write-check-"):
+            pass
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot write into {text}: {error.strerror or error}") from None
+    return path

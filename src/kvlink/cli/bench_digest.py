@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from kvlink.cli.argtypes import output_file
 from kvlink.cli.ranges import ranged
 from kvlink.layout.limits import COUNT
 
@@ -58,7 +59,7 @@ def measure(size: int, total_bytes: int, passes: int, digest: Digest, data: memo
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--passes", type=ranged(COUNT), default=5, help="timed passes per size (best kept)")
-    parser.add_argument("--json", metavar="FILE", help="also write the results to FILE")
+    parser.add_argument("--json", type=output_file, metavar="FILE", help="also write the results to FILE")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvlink.cli.argtypes import env_pair, json_object
+from kvlink.cli.argtypes import env_pair, json_object, output_dir, output_file
 from kvlink.cli.ranges import ranged
 from kvlink.layout.limits import COUNT, NUM_BLOCKS
 
@@ -64,9 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --engine vllm: environment for NixlConnector's servers (repeatable; "
                              "over the bench's own, UCX_TLS=tcp included)")
     parser.add_argument("--num-blocks", type=ranged(NUM_BLOCKS), default=320)
-    parser.add_argument("--json", type=Path, default=None, help="write the results here")
-    parser.add_argument("--plot", type=Path, default=None, help="write a PNG chart here")
-    parser.add_argument("--log-dir", type=Path, default=None, help="server logs (default: temporary)")
+    parser.add_argument("--json", type=output_file, default=None, help="write the results here")
+    parser.add_argument("--plot", type=output_file, default=None, help="write a PNG chart here")
+    parser.add_argument("--log-dir", type=output_dir, default=None, help="server logs (default: temporary)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -29,6 +29,7 @@ from typing import Any
 
 from kvlink.bench.cluster import INSTANCES
 from kvlink.bench.load_routers import ROUTER_CHOICES
+from kvlink.cli.argtypes import output_dir, output_file
 from kvlink.cli.ranges import ranged
 from kvlink.layout.limits import (
     CONCURRENCY,
@@ -85,12 +86,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-interval-s", type=ranged(SECONDS), default=None,
                         help="soak mode and vllm engine: seconds between memory samples of every "
                              "process (default 5; vllm engine 2)")
-    parser.add_argument("--memory-json", type=Path, default=None,
+    parser.add_argument("--memory-json", type=output_file, default=None,
                         help="soak mode and vllm engine: write the memory samples (RSS, glibc heap) here")
-    parser.add_argument("--memory-plot", type=Path, default=None,
+    parser.add_argument("--memory-plot", type=output_file, default=None,
                         help="soak mode and vllm engine: draw the memory curve to this PNG")
-    parser.add_argument("--log-dir", type=Path, default=None)
-    parser.add_argument("--json", type=Path, default=None, help="write the summary here")
+    parser.add_argument("--log-dir", type=output_dir, default=None)
+    parser.add_argument("--json", type=output_file, default=None, help="write the summary here")
 
 
 def check_args(args: argparse.Namespace) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from kvlink.cli.argtypes import output_file
 from kvlink.cli.ranges import ranged
 from kvlink.layout.limits import COUNT, MAX_TOKENS, int_range
 from kvlink.layout.presets import LLAMA3_8B
@@ -26,7 +27,7 @@ BLOCK_SIZE = 16
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", metavar="FILE", help="also write the results to FILE")
+    parser.add_argument("--json", type=output_file, metavar="FILE", help="also write the results to FILE")
     parser.add_argument("--tokens", type=ranged(int_range(2, MAX_TOKENS)), nargs="+",
                         default=list(DEFAULT_TOKENS), help=f"request lengths to time (2..{MAX_TOKENS})")
     parser.add_argument("--repeat", type=ranged(COUNT), default=50,

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
+from kvlink.cli.argtypes import output_dir, output_file
 from kvlink.cli.ranges import ranged
 from kvlink.engine.models import MODEL_NAMES
 from kvlink.layout.limits import CONCURRENCY, COUNT, MAX_TOKENS, NUM_BLOCKS, TOKENS, int_range
@@ -25,9 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress-thread", action="store_true",
                         help="start P and D without NIXL's progress thread (the serve default); "
                              "then D's READs wait while P runs a forward pass")
-    parser.add_argument("--json", type=Path, default=None, help="write the results here")
-    parser.add_argument("--plot", type=Path, default=None, help="write a PNG chart here")
-    parser.add_argument("--log-dir", type=Path, default=None, help="server logs (default: temporary)")
+    parser.add_argument("--json", type=output_file, default=None, help="write the results here")
+    parser.add_argument("--plot", type=output_file, default=None, help="write a PNG chart here")
+    parser.add_argument("--log-dir", type=output_dir, default=None, help="server logs (default: temporary)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -17,6 +17,7 @@ from kvlink.bench.transfer import (
     run_bench,
 )
 from kvlink.bench.transfer_report import plot, table, verdicts
+from kvlink.cli.argtypes import output_file
 from kvlink.cli.ranges import ranged, ranged_list
 from kvlink.connector.config import VERIFY_MODES, ConnectorConfig
 from kvlink.layout.limits import (
@@ -73,8 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--{side}-host", metavar="ADDR", default="127.0.0.1",
                             help=f"address {name}'s side channel listens on (with --{side}-netns: "
                                  "its address on the P-D link)")
-    parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
-    parser.add_argument("--plot", metavar="FILE", help="write a PNG chart")
+    parser.add_argument("--json", type=output_file, metavar="FILE", help="write the results as JSON")
+    parser.add_argument("--plot", type=output_file, metavar="FILE", help="write a PNG chart")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
-from kvlink.cli.argtypes import env_pair, json_object, name_subset
+from kvlink.cli.argtypes import env_pair, json_object, name_subset, output_dir, output_file
 from kvlink.cli.ranges import ranged
 from kvlink.connector.config import VERIFY_MODES
 from kvlink.layout.limits import CONCURRENCY, COUNT, SECONDS, SEED, int_range
@@ -57,10 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="kvlink's KV integrity check (off, sample, full; default: the connector's)")
     parser.add_argument("--quick", action="store_true",
                         help="4 prompts, only the same-block case, 5 s idle window")
-    parser.add_argument("--out-dir", type=Path, default=Path("bench-results/vllm"),
+    parser.add_argument("--out-dir", type=output_dir, default=Path("bench-results/vllm"),
                         help="JSON, PNG, client results and server logs go here")
-    parser.add_argument("--markdown", type=Path, default=None, help="also write the markdown table here")
-    parser.add_argument("--plot", type=Path, default=None, help="PNG path (default OUT_DIR/bench-vllm.png)")
+    parser.add_argument("--markdown", type=output_file, default=None, help="also write the markdown table here")
+    parser.add_argument("--plot", type=output_file, default=None, help="PNG path (default OUT_DIR/bench-vllm.png)")
     parser.add_argument("--from-json", type=Path, default=None, metavar="FILE",
                         help="start nothing: render the table, markdown and PNG of a saved report")
 
@@ -75,12 +76,10 @@ def check_args(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvlink.bench.vllm_config import FAMILIES, VllmBenchConfig, family_model_dir
     from kvlink.bench.vllm_pd import run_bench
-    from kvlink.bench.vllm_report import refresh
 
     out_dir: Path = args.out_dir
     if args.from_json is not None:
-        report(refresh(json.loads(args.from_json.read_text())), args, out_dir, write=False)
-        return 0
+        return _from_json(args, out_dir)
     family = FAMILIES[args.family]
     if family.needs_amx and not _has_amx():
         print(f"kvlink bench vllm: family {family.name} runs on AMX_MLA, which needs a CPU with AMX tiles; "
@@ -116,6 +115,29 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvlink bench vllm: {error}")
         return 1
     report(result, args, out_dir, write=True)
+    return 0
+
+
+def _from_json(args: argparse.Namespace, out_dir: Path) -> int:
+    """Render a saved report; exit 2 with one line when the file is not one."""
+    from kvlink.bench.vllm_report import refresh
+
+    path: Path = args.from_json
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        print(f"kvlink bench vllm: error: cannot read --from-json {path}: {error}", file=sys.stderr)
+        return 2
+    if not isinstance(saved, dict) or not isinstance(saved.get("cases"), list):
+        print(f"kvlink bench vllm: error: --from-json {path} is not a saved `kvlink bench vllm` report "
+              "(expected a JSON object with a list of \"cases\")", file=sys.stderr)
+        return 2
+    try:
+        report(refresh(saved), args, out_dir, write=False)
+    except (KeyError, TypeError, AttributeError, ValueError, IndexError) as error:
+        print(f"kvlink bench vllm: error: --from-json {path} is not a complete `kvlink bench vllm` report "
+              f"({type(error).__name__}: {error})", file=sys.stderr)
+        return 2
     return 0
 
 

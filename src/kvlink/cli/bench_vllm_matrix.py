@@ -8,7 +8,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from kvlink.cli.argtypes import json_object, name_subset
+from kvlink.cli.argtypes import json_object, name_subset, output_dir
 from kvlink.cli.ranges import ranged
 from kvlink.layout.limits import SECONDS
 
@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="per request; past it the cell counts as a hang (default 60)")
     parser.add_argument("--nixl-extra", type=json_object, default={}, metavar="JSON",
                         help="NixlConnector's kv_connector_extra_config")
-    parser.add_argument("--out-dir", type=Path, default=Path("bench-results/vllm-matrix"),
+    parser.add_argument("--out-dir", type=output_dir, default=Path("bench-results/vllm-matrix"),
                         help="JSON, markdown and server logs go here")
 
 

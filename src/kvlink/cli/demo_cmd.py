@@ -12,9 +12,9 @@ import argparse
 import textwrap
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvlink.cli.argtypes import output_dir
 from kvlink.cli.ranges import ranged
 from kvlink.engine.models import MODEL_NAMES
 from kvlink.layout.limits import NUM_BLOCKS, TOKENS, TP, int_range
@@ -55,10 +55,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--d-tp", type=ranged(TP), default=1, help="tensor-parallel ranks of D")
     parser.add_argument("--max-tokens", type=ranged(TOKENS), default=32)
     parser.add_argument("--num-blocks", type=ranged(NUM_BLOCKS), default=128)
-    parser.add_argument("--log-dir", type=Path, default=None,
+    parser.add_argument("--log-dir", type=output_dir, default=None,
                         help="where the processes' logs go (default: a fresh temporary directory)")
     parser.add_argument("--width", type=ranged(int_range(40, 10_000)), default=100,
                         help="output width in characters")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse TP sizes the model cannot be split over before starting anything."""
+    from kvlink.cli.serve_cmd import SERVED_SPECS
+    from kvlink.plan.compat import side_problems
+
+    spec = SERVED_SPECS.get(args.model)
+    if spec is None:
+        return
+    problems = side_problems("--p-tp", spec, args.p_tp, 16, 16) + side_problems("--d-tp", spec, args.d_tp, 16, 16)
+    if problems:
+        raise ValueError(f"--model {args.model}: " + "; ".join(problems))
 
 
 @dataclass

@@ -40,11 +40,17 @@ def check_args(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import logging
+    import sys
 
-    import uvicorn
-
+    from kvlink.serve.listen import ListenError, listen, serve
     from kvlink.serve.proxy import build_proxy_app
     from kvlink.serve.upstream import SERVER_KEEPALIVE_S
+
+    try:
+        sock = listen(args.host, args.port)
+    except ListenError as error:
+        print(f"kvlink proxy: {error}", file=sys.stderr, flush=True)
+        return 2
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # our own line per request says it all
@@ -54,6 +60,6 @@ def run(args: argparse.Namespace) -> int:
     app.router.add_event_handler(
         "startup", lambda: print(f"kvlink proxy on {url}: prefill {' '.join(args.prefill)}, "
                                  f"decode {' '.join(args.decode)}", flush=True))
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
-                timeout_graceful_shutdown=5, timeout_keep_alive=SERVER_KEEPALIVE_S)
+    serve(app, sock, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
+          timeout_keep_alive=SERVER_KEEPALIVE_S)
     return 0

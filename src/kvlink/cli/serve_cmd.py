@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import sys
 import tracemalloc
 
 from kvlink.cli.ranges import ranged
@@ -135,23 +136,40 @@ def check_pool_fits(model: str, tp: int, block_size: int, kernel_block_size: int
 
 def run(args: argparse.Namespace) -> int:
     import torch
-    import uvicorn
 
     from kvlink.serve import memory
     from kvlink.serve.api_server import build_app
     from kvlink.serve.engine_loop import AsyncEngine
     from kvlink.serve.factory import build_engine
+    from kvlink.serve.listen import ListenError, check_free, listen, serve
     from kvlink.serve.metrics import MetricsRegistry
     from kvlink.serve.upstream import SERVER_KEEPALIVE_S
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
+    try:  # a taken port or an address that does not resolve is refused before the model loads
+        check_free(args.host, [args.port])
+        if args.role != "both":
+            check_free(args.kv_host or args.host, [args.kv_port + r if args.kv_port else 0 for r in range(args.tp)])
+    except ListenError as error:
+        print(f"kvlink serve: {error}", file=sys.stderr, flush=True)
+        return 2
     try:
         trace_frames = memory.tracing_frames()
         served = build_engine(args, progress=lambda line: print(line, flush=True))
     except (ValueError, NotImplementedError, FileNotFoundError) as error:
         print(f"kvlink serve: {error}", flush=True)
+        return 2
+    except OSError as error:  # the KV side channel could not listen after all (taken meanwhile)
+        print(f"kvlink serve: cannot start the KV side channel: {error}", file=sys.stderr, flush=True)
+        return 2
+    try:  # listens only now: until the engine is up, a connection is refused, not left waiting
+        sock = listen(args.host, args.port)
+    except ListenError as error:
+        if served.close is not None:
+            served.close()
+        print(f"kvlink serve: {error}", file=sys.stderr, flush=True)
         return 2
     if trace_frames:
         tracemalloc.start(trace_frames)  # after loading: traces what serving allocates
@@ -170,9 +188,8 @@ def run(args: argparse.Namespace) -> int:
                                  f"on {url}", flush=True))
     engine.start()
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                    access_log=False, timeout_graceful_shutdown=5,
-                    timeout_keep_alive=SERVER_KEEPALIVE_S)
+        serve(app, sock, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
+              timeout_keep_alive=SERVER_KEEPALIVE_S)
     finally:
         engine.shutdown()
         if served.close is not None:

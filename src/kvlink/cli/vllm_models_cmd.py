@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+
+from kvlink.cli.argtypes import output_dir
 
 MODELS = ("smollm2", "tiny-llama-tp", "tiny-granite-hybrid", "tiny-llama-head80", "tiny-gemma3-swa",
           "tiny-mistral-swa", "tiny-deepseek-mla")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", type=Path, default=None,
+    parser.add_argument("--out", type=output_dir, default=None,
                         help="cache root (default: $KVLINK_CACHE or ~/.cache/kvlink/models)")
     parser.add_argument("--model", choices=MODELS, action="append",
                         help="build only this one (repeatable; default: all)")

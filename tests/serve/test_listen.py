@@ -1,0 +1,94 @@
+"""Servers refuse an address they cannot listen on at once, in one line (exit 2), before
+loading anything, and say they serve only once their socket listens."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kvlink.procs.launcher import free_port
+from kvlink.serve.listen import ListenError, check_free, listen
+
+KVLINK = [sys.executable, "-m", "kvlink.cli.main"]
+
+
+@pytest.fixture
+def taken() -> Iterator[int]:
+    """A loopback port another socket listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def _run(argv: list[str], limit_s: float = 30.0) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "UCX_NET_DEVICES": "lo", "KVLINK_SECRET": "ab" * 32}
+    return subprocess.run([*KVLINK, *argv], env=env, capture_output=True, text=True, timeout=limit_s)
+
+
+def test_listen_and_check_free(taken: int) -> None:
+    sock = listen("127.0.0.1", 0)
+    try:
+        port = sock.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port), timeout=2):
+            pass  # it listens
+        with pytest.raises(ListenError, match=f"cannot listen on 127.0.0.1:{port}: Address already in use"):
+            check_free("127.0.0.1", [port])
+    finally:
+        sock.close()
+    check_free("127.0.0.1", [0, free_port()])
+    with pytest.raises(ListenError, match="does not resolve"):
+        check_free("no-such-host.invalid", [0])
+    with pytest.raises(ListenError, match=f"127.0.0.1:{taken}"):
+        listen("127.0.0.1", taken)
+
+
+@pytest.mark.parametrize("args", [
+    ["--port", "{taken}"],
+    ["--port", "{free}", "--kv-port", "{taken}"],
+    ["--port", "{free}", "--kv-host", "no-such-host.invalid"],
+    ["--host", "no-such-host.invalid", "--port", "{free}"],
+])
+def test_serve_refuses_an_address_before_loading_the_model(taken: int, args: list[str]) -> None:
+    argv = [a.format(taken=taken, free=free_port()) for a in args]
+    start = time.monotonic()
+    proc = _run(["serve", "--role", "prefill", "--num-blocks", "8", *argv])
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "kvlink serve: cannot listen on" in proc.stderr and "Traceback" not in proc.stderr
+    assert "serving" not in proc.stdout and "loading" not in proc.stdout.lower()
+    assert time.monotonic() - start < 20
+
+
+def test_proxy_refuses_a_taken_port_and_serves_once_it_listens(taken: int) -> None:
+    proc = _run(["proxy", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2",
+                 "--port", str(taken)])
+    assert proc.returncode == 2 and f"kvlink proxy: cannot listen on 127.0.0.1:{taken}" in proc.stderr
+    assert "Traceback" not in proc.stderr and "kvlink proxy on" not in proc.stdout
+    port = free_port()
+    env = {**os.environ, "UCX_NET_DEVICES": "lo"}
+    live = subprocess.Popen([*KVLINK, "proxy", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2",
+                             "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert live.stdout is not None
+        deadline = time.monotonic() + 30
+        line = ""
+        while time.monotonic() < deadline and "kvlink proxy on" not in line:
+            line = live.stdout.readline()
+            if not line and live.poll() is not None:
+                break
+        assert f"kvlink proxy on http://127.0.0.1:{port}" in line
+        with socket.create_connection(("127.0.0.1", port), timeout=2):
+            pass  # listening by the time it said so
+    finally:
+        live.terminate()
+        try:
+            live.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            live.kill()
+            live.wait(timeout=10)
