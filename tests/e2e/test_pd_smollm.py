@@ -289,6 +289,12 @@ def test_bad_requests_get_4xx_saying_why_and_leak_nothing(smollm: Cluster) -> No
         # P prefills before D refuses: D must tell P to free now (assert_clean below waits less
         # than the lease)
         ("proxy: max_tokens past the context", proxy, {"max_tokens": 10_000}, "reduce max_tokens"),
+        # fields P's leg rewrites: the proxy refuses them before P prefills for nothing
+        ("proxy: negative max_tokens", proxy, {"max_tokens": -1}, "max_tokens"),
+        ("proxy: fractional max_tokens", proxy, {"max_tokens": 2.5}, "max_tokens"),
+        ("proxy: stream_options not an object", proxy, {"stream": True, "stream_options": "x"}, "stream_options"),
+        ("direct to D: prompt far over the context, refused untokenized", decode,
+         {"prompt": "word " * 400_000}, "maximum context length"),
         ("proxy: bad temperature", proxy, {"temperature": 7}, "temperature"),
         ("proxy: streaming, prompt too long", proxy, {"prompt": too_long, "stream": True},
          "maximum context length"),
@@ -313,6 +319,39 @@ def test_bad_requests_get_4xx_saying_why_and_leak_nothing(smollm: Cluster) -> No
     # D still serves after refusing all of that.
     assert complete(proxy, "The capital of France is", 2).status_code == 200
     assert_clean(smollm)
+
+
+def test_tiny_temperature_or_top_p_answers_greedily_and_keeps_the_engines(smollm: Cluster) -> None:
+    """A temperature or top_p above 0 but below what float32 holds used to turn D's sampling
+    into NaN, which stopped its engine for every later request (503 until restarted)."""
+    proxy, decode, _ = urls(smollm)
+    prompt = PROMPTS[0]
+    greedy = completion_text(colocated_url(smollm), prompt, 6)[0]
+    for extra in ({"temperature": 1e-40}, {"temperature": 5e-324}, {"temperature": 1.0, "top_p": 1e-300}):
+        for url in (proxy, colocated_url(smollm)):
+            response = httpx.post(f"{url}/v1/completions", timeout=60,
+                                  json={"prompt": prompt, "max_tokens": 6, "seed": 3, **extra})
+            assert response.status_code == 200, f"{url} {extra}: {response.text}"
+            assert response.json()["choices"][0]["text"] == greedy, extra
+    for url in (decode, colocated_url(smollm)):
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    assert_clean(smollm)
+
+
+def test_client_leaving_while_p_prefills_frees_p_before_its_lease(smollm: Cluster) -> None:
+    """The client leaves while P computes a long prefill: P's request finishes in the step
+    that is running, but its params never reach anyone, so P must free the blocks now, not
+    when its lease (30 s) runs out."""
+    proxy, _, _ = urls(smollm)
+    long_prompt = (PASSAGE + "\n") * 3
+    for leave_after_s in (0.1, 0.3):
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{proxy}/v1/completions", timeout=leave_after_s,
+                       json={"prompt": long_prompt, "max_tokens": 4, "temperature": 0})
+    started = time.monotonic()
+    assert_clean(smollm, timeout_s=15)  # well inside the lease
+    print(f"[client left during P's prefill] clean {time.monotonic() - started:.1f} s later")
+    assert complete(proxy, PROMPTS[0], 2).status_code == 200
 
 
 def test_the_secret_is_on_no_command_line(smollm_p3_d1: Cluster) -> None:

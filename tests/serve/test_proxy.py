@@ -295,3 +295,64 @@ def test_p_gets_at_most_one_min_token() -> None:
         body = {"prompt": "x", "max_tokens": 9, "min_tokens": asked}
         assert prefill_body(body)["min_tokens"] == sent and body["min_tokens"] == asked
     assert "min_tokens" not in prefill_body({"prompt": "x"})
+
+
+@pytest.mark.parametrize(("field", "value"), [("max_tokens", -1), ("max_tokens", 2.5), ("max_tokens", "many"),
+                                              ("max_completion_tokens", 0), ("min_tokens", -3),
+                                              ("stream", "x"), ("stream_options", "x")])
+def test_fields_p_would_not_see_are_checked_before_p_prefills(
+        pd: tuple[str, FakeEngine, FakeEngine], field: str, value: object) -> None:
+    """P's leg rewrites these fields, so a bad value would only reach D, after P prefilled
+    and while P holds the blocks under a lease: the proxy refuses it first."""
+    proxy_url, p_engine, d_engine = pd
+    response = httpx.post(f"{proxy_url}/v1/completions", json={"prompt": "hello", field: value}, timeout=10)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and field in error["message"], error
+    assert not p_engine.seen and not d_engine.seen
+    fine = httpx.post(f"{proxy_url}/v1/completions", json={"prompt": "hello", "max_tokens": "2"}, timeout=10)
+    assert fine.status_code == 200, fine.text  # what an instance coerces, the proxy lets through
+
+
+def test_text_no_utf8_can_carry_is_the_clients_400_not_ps_502(pd: tuple[str, FakeEngine, FakeEngine]) -> None:
+    """A lone surrogate (a JSON \\u escape) goes on to P as JSON and P refuses it; a request id
+    HTTP cannot carry is refused by the proxy. Neither is blamed on P as a 502."""
+    proxy_url, p_engine, _ = pd
+    for route, body in (("/v1/completions", b'{"prompt": "\\ud800 hi", "max_tokens": 2}'),
+                        ("/v1/chat/completions",
+                         b'{"messages": [{"role": "user", "content": "\\udc00"}], "max_tokens": 2}')):
+        response = httpx.post(f"{proxy_url}{route}", content=body, timeout=10,
+                              headers={"content-type": "application/json"})
+        assert response.status_code == 400, response.text
+        assert "lone surrogate" in response.json()["error"]["message"]
+    response = httpx.post(f"{proxy_url}/v1/completions", json={"prompt": "hi"}, timeout=10,
+                          headers={"x-request-id": "é-ü".encode()})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "x-request-id", response.text
+    assert not p_engine.seen
+
+
+def test_deeply_nested_json_is_a_400() -> None:
+    proxy = build_proxy_app(["http://127.0.0.1:1"], ["http://127.0.0.1:2"])
+    body = b'{"prompt": "hi", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    with serve_in_thread(proxy) as url:
+        response = httpx.post(f"{url}/v1/completions", content=body, timeout=10,
+                              headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "nested too deeply" in response.json()["error"]["message"]
+
+
+def test_bodies_over_the_cap_are_413_on_instances_and_the_proxy(pd: tuple[str, FakeEngine, FakeEngine]) -> None:
+    from kvlink.serve.body_limit import MAX_BODY_BYTES
+
+    proxy_url, p_engine, d_engine = pd
+    big = b'{"prompt": "' + b"a" * MAX_BODY_BYTES + b'"}'
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: the cap holds on the stream too
+        for start in range(0, len(big), 1 << 20):
+            yield big[start:start + (1 << 20)]
+
+    for content in (big, chunks()):
+        response = httpx.post(f"{proxy_url}/v1/completions", content=content, timeout=30,
+                              headers={"content-type": "application/json"})
+        assert response.status_code == 413, response.text[:300]
+        assert response.json()["error"]["code"] == "request_too_large"
+    assert not p_engine.seen and not d_engine.seen

@@ -143,6 +143,12 @@ class ConnectorScheduler(abc.ABC):
         """True while leases, loads or pushes are outstanding (the engine keeps stepping)."""
         return False
 
+    def release_held(self, request_id: str) -> bool:
+        """P: a finished request whose blocks wait for a decoder was aborted after all (its
+        caller left before the params went out): free them now, not at the lease's end
+        (they come back in `finished_sending`). False when nothing is held for it."""
+        return False
+
     @abc.abstractmethod
     def shutdown(self) -> None:
         """Stop background threads and listeners."""

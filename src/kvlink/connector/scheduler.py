@@ -184,6 +184,12 @@ class NixlScheduler(ConnectorScheduler):
             for (e, h, port, tp), ids in by_engine.items()
         ]
 
+    def release_held(self, request_id: str) -> bool:
+        if request_id not in self._held:
+            return False
+        self._step.frees.append(request_id)  # the worker drops the lease and reports it sent
+        return True
+
     def update_connector_output(self, output: WorkerOutput) -> None:
         for rid in output.finished_recving | output.failed_recving:
             self._remote.pop(rid, None)

@@ -6,6 +6,7 @@ without one it is a plain colocated engine.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -22,6 +23,8 @@ from kvlink.engine.request import Request, RequestOutput, RequestStatus, Samplin
 from kvlink.engine.runner import ModelRunner
 from kvlink.engine.scheduler import ScheduledRun, Scheduler
 from kvlink.layout.spec import is_ssm
+
+logger = logging.getLogger("kvlink.engine")
 
 
 class LLMEngine:
@@ -94,11 +97,22 @@ class LLMEngine:
         self.scheduler.add(request)
 
     def abort(self, request_id: str) -> bool:
-        """Finish a request now (reason "abort"); False if it is not in the engine."""
+        """Finish a request now (reason "abort"); False if it is not in the engine.
+
+        A request that finished already, its blocks held for a remote decoder, is let go: the
+        caller aborting it never passed its params on (it left before they arrived)."""
         request = self.requests.get(request_id)
         if request is None:
-            return False
+            return self.release_held(request_id)
         self._finish(request, "abort", aborted=True)
+        return True
+
+    def release_held(self, request_id: str) -> bool:
+        """P: free now the blocks a finished request holds for a remote decoder that will never
+        come (its caller left before taking the params). False when none are held for it."""
+        if request_id not in self.held or self.connector is None or not self.connector.release_held(request_id):
+            return False
+        logger.info("request %s: its caller left before taking its KV params; freeing its blocks", request_id)
         return True
 
     def step(self) -> list[RequestOutput]:

@@ -78,6 +78,10 @@ class Tokenizer:
         self.special_token_ids: frozenset[int] = frozenset(
             index for index, kind in enumerate(vocab.token_types) if kind == CONTROL_TOKEN_TYPE
         )
+        # No token stands for more characters of text than this (no normaliser runs): a
+        # byte-level token of n vocabulary characters is n bytes, so at most n characters, and
+        # an added token is matched as written. A text of c characters is >= c / this tokens.
+        self.max_token_chars = max(len(token) for token in vocab.tokens)
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:

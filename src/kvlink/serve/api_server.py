@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from kvlink.connector.params import ForbiddenTransferParams, wants_remote_prefill
 from kvlink.serve import memory
+from kvlink.serve.body_limit import limit_bodies
 from kvlink.serve.disconnect import unless_disconnected
 from kvlink.serve.engine_loop import AsyncEngine, EngineDead, EngineOverloaded, RequestTimeout
 from kvlink.serve.errors import APIError, install_error_handlers
@@ -91,6 +92,7 @@ def build_app(
     repeats them so a monitor sees them, not only the start-up log."""
     app = FastAPI(title=f"kvlink {role} instance", docs_url=None, redoc_url=None)
     install_error_handlers(app)
+    limit_bodies(app)
     metrics.gauges.setdefault("requests_in_flight", lambda: float(engine.in_flight))
     make_sampling = sampling_factory
 
@@ -168,11 +170,11 @@ def build_app(
 
     @app.post("/v1/completions")
     async def completions(raw: Request, body: CompletionRequest) -> Response:
-        return await serve(raw, body, completion_prompt_ids(body, tokenizer), body.max_tokens)
+        return await serve(raw, body, completion_prompt_ids(body, tokenizer, max_model_len), body.max_tokens)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request, body: ChatCompletionRequest) -> Response:
-        prompt_ids = chat_prompt_ids(body, tokenizer)
+        prompt_ids = chat_prompt_ids(body, tokenizer, max_model_len)
         return await serve(raw, body, prompt_ids, body.requested_max_tokens)
 
     @app.get("/v1/models")

@@ -223,7 +223,15 @@ class AsyncEngine:
         if stream is not None and self._streams.get(request_id) is not stream:
             return
         if self._streams.pop(request_id, None) is None:
-            return  # already finished; nothing left in the engine
+            # Finished in the engine, but the caller left before reading the last output: a P
+            # request's blocks wait under a lease for a decoder nobody told. Let them go now.
+            release = getattr(self.engine, "release_held", None)
+            if stream is None and release is not None:
+                try:
+                    release(request_id)
+                except Exception:
+                    logger.exception("engine.release_held(%s) failed", request_id)
+            return
         try:
             self.engine.abort(request_id)
         except Exception:

@@ -81,6 +81,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_http(request: Request, error: Exception) -> JSONResponse:
         assert isinstance(error, StarletteHTTPException)
+        carried = getattr(error, "api_error", None)
+        if isinstance(carried, APIError):
+            return carried.response()
         code = "not_found" if error.status_code == 404 else None
         return error_response(error.status_code, f"{error.detail}: {request.method} {request.url.path}", code)
 

@@ -8,9 +8,31 @@ from kvlink.serve.errors import APIError
 from kvlink.serve.protocol import ChatCompletionRequest, CompletionRequest
 
 
-def completion_prompt_ids(request: CompletionRequest, tokenizer: Any) -> list[int]:
+def encode_text(tokenizer: Any, text: str, what: str, max_model_len: int | None = None) -> list[int]:
+    """Token ids of `text`; 400 for text that is not Unicode a tokenizer takes (a lone
+    surrogate, which JSON's \\u escapes can carry), and, without tokenizing it, for text too
+    long to fit `max_model_len` whatever its tokens (a tokenizer with `max_token_chars`)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise APIError(400, f"{what} is not valid Unicode text: a lone surrogate "
+                            f"{text[error.start]!r} at character {error.start}", "invalid_value") from None
+    longest = getattr(tokenizer, "max_token_chars", None)
+    if max_model_len is not None and isinstance(longest, int) and longest > 0 \
+            and len(text) >= longest * max_model_len:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens, but the {what} has "
+            f"{len(text):,} characters, at least {-(-len(text) // longest):,} tokens (no token "
+            f"stands for more than {longest} characters); shorten it.",
+            "context_length_exceeded",
+        )
+    return list(tokenizer.encode(text))
+
+
+def completion_prompt_ids(request: CompletionRequest, tokenizer: Any, max_model_len: int | None = None) -> list[int]:
     if isinstance(request.prompt, str):
-        return list(tokenizer.encode(request.prompt))
+        return encode_text(tokenizer, request.prompt, "prompt", max_model_len)
     vocab_size = int(tokenizer.vocab_size)
     bad = [token for token in request.prompt if not 0 <= token < vocab_size]
     if bad:
@@ -20,12 +42,12 @@ def completion_prompt_ids(request: CompletionRequest, tokenizer: Any) -> list[in
     return list(request.prompt)
 
 
-def chat_prompt_ids(request: ChatCompletionRequest, tokenizer: Any) -> list[int]:
+def chat_prompt_ids(request: ChatCompletionRequest, tokenizer: Any, max_model_len: int | None = None) -> list[int]:
     try:
         text = tokenizer.apply_chat_template(request.template_messages(), add_generation_prompt=True)
     except Exception as error:  # template errors are about the messages the client sent
         raise APIError(400, f"cannot apply the chat template: {error}", "invalid_value") from error
-    return list(tokenizer.encode(text))
+    return encode_text(tokenizer, text, "the messages' text", max_model_len)
 
 
 def token_budget(prompt_tokens: int, requested: int | None, max_model_len: int) -> int:

@@ -19,13 +19,15 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
 import anyio
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import Field, TypeAdapter, ValidationError
 
+from kvlink.serve.body_limit import limit_bodies
 from kvlink.serve.disconnect import unless_disconnected
 from kvlink.serve.errors import APIError, install_error_handlers
 from kvlink.serve.metrics import MetricsRegistry
@@ -55,8 +57,51 @@ def _no_constant(name: str) -> Any:
 
 def parse_json(raw: bytes) -> Any:
     """A client's body as strict JSON: NaN, Infinity and numbers that overflow a float are
-    refused here (400), since they could not be forwarded to P and D as JSON."""
-    return json.loads(raw, parse_float=_finite, parse_constant=_no_constant)
+    refused here (400), since they could not be forwarded to P and D as JSON; so is nesting
+    too deep for the parser."""
+    try:
+        return json.loads(raw, parse_float=_finite, parse_constant=_no_constant)
+    except RecursionError:
+        raise ValueError("it is nested too deeply") from None
+
+
+def encode_body(body: dict[str, Any]) -> bytes:
+    """A body as JSON bytes for an instance: ASCII-escaped, so text no UTF-8 can carry (a
+    lone surrogate) still goes as JSON, for the instance to judge."""
+    return json.dumps(body).encode("ascii")
+
+
+# The fields P's leg rewrites: a bad value here would reach only D, after P had prefilled for
+# nothing, so the proxy refuses it first (the types of the OpenAI API, as pydantic checks them).
+_REWRITTEN: dict[str, TypeAdapter[Any]] = {
+    "max_tokens": TypeAdapter(Annotated[int, Field(ge=1)] | None),
+    "max_completion_tokens": TypeAdapter(Annotated[int, Field(ge=1)] | None),
+    "min_tokens": TypeAdapter(Annotated[int, Field(ge=0)] | None),
+    "stream": TypeAdapter(bool | None),
+    "stream_options": TypeAdapter(dict[str, Any] | None),
+}
+
+
+def check_rewritten(body: dict[str, Any]) -> None:
+    """400 for a value of a field P's leg rewrites that no instance would take."""
+    for name, adapter in _REWRITTEN.items():
+        if name in body:
+            try:
+                adapter.validate_python(body[name])
+            except ValidationError as error:
+                problem = error.errors()[0].get("msg", "invalid value")
+                raise APIError(400, f"{name}={body[name]!r}: {problem}", "invalid_value", param=name) from None
+
+
+def request_id_of(raw: Request) -> str:
+    """The client's x-request-id (printable ASCII, as HTTP headers carry it), or a new one."""
+    given = raw.headers.get("x-request-id")
+    if given is None or given == "":
+        return uuid.uuid4().hex
+    if not (given.isascii() and given.isprintable()) or len(given) > 256:
+        raise APIError(400, "x-request-id must be at most 256 printable ASCII characters", "invalid_value",
+                       param="x-request-id")
+    return given
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -113,6 +158,7 @@ def build_proxy_app(
     client = httpx.AsyncClient(timeout=timeout, limits=limits)
     app = FastAPI(title="kvlink P/D proxy", docs_url=None, redoc_url=None)
     install_error_handlers(app)
+    limit_bodies(app)
     app.router.add_event_handler("shutdown", client.aclose)
 
     async def post_json(side: str, instance: Instance, path: str, body: dict[str, Any],
@@ -120,7 +166,8 @@ def build_proxy_app(
         try:
             # One deadline for the whole call: httpx's read timeout alone restarts per chunk.
             response = await asyncio.wait_for(
-                client.post(instance.url + path, json=body, headers=headers), timeout_s)
+                client.post(instance.url + path, content=encode_body(body),
+                            headers={**headers, "Content-Type": "application/json"}), timeout_s)
         except Exception as error:
             raise transport_error(side, instance.url, error, timeout_s) from error
         if response.status_code != 200:
@@ -160,7 +207,8 @@ def build_proxy_app(
         request_id = headers["X-Request-Id"]
         sent = time.monotonic()
         try:
-            request = client.build_request("POST", instance.url + path, json=body, headers=headers)
+            request = client.build_request("POST", instance.url + path, content=encode_body(body),
+                                           headers={**headers, "Content-Type": "application/json"})
             response = await asyncio.wait_for(client.send(request, stream=True), timeout_s)
         except asyncio.CancelledError:  # the client left before D's first token
             decode.release(instance)
@@ -297,7 +345,8 @@ def build_proxy_app(
             raise APIError(400, f"request body is not valid JSON: {error}", "invalid_json") from error
         if not isinstance(body, dict):
             raise APIError(400, "request body must be a JSON object", "invalid_json")
-        request_id = raw.headers.get("x-request-id") or uuid.uuid4().hex
+        check_rewritten(body)
+        request_id = request_id_of(raw)
         headers = {"X-Request-Id": request_id}
         if "authorization" in raw.headers:
             headers["Authorization"] = raw.headers["authorization"]
