@@ -82,6 +82,12 @@ def test_bad_requests_get_openai_style_400s(fake_app: Any) -> None:
         ({"prompt": "x", "stop_token_ids": [3, -1]}, "stop_token_ids"),
         ({"prompt": "x", "stop_token_ids": list(range(2000))}, "stop_token_ids"),
         ({"prompt": "x", "ignore_eos": "maybe"}, "ignore_eos"),
+        ({"prompt": "x", "seed": 2**64}, "seed"),
+        ({"prompt": "x", "seed": -(2**63) - 1}, "seed"),
+        ({"prompt": ["1", "2"]}, "prompt"),  # not token ids (vLLM would read a batch of two prompts)
+        ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
+        ({"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"prompt": "x", "tool_choice": "required"}, "tool_choice"),
     ]
     with TestClient(fake_app) as client:
         for request, expected in cases:
@@ -98,7 +104,8 @@ def test_sampling_knobs_at_their_neutral_value_are_accepted(fake_app: Any) -> No
     neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1, "top_k": -1,
                "min_p": 0, "best_of": 1, "logit_bias": {}, "user": "u", "min_tokens": 0,
                "include_stop_str_in_output": None, "skip_special_tokens": None, "guided_json": None,
-               "ignore_eos": None}
+               "ignore_eos": None, "response_format": {"type": "text"}, "tools": [], "tool_choice": "none",
+               "seed": 2**64 - 1}
     with TestClient(fake_app) as client:
         assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, **neutral}).status_code == 200
         chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "top_k": 0, "min_tokens": None}
@@ -106,6 +113,17 @@ def test_sampling_knobs_at_their_neutral_value_are_accepted(fake_app: Any) -> No
         nan = client.post("/v1/completions", content=b'{"prompt": "x", "frequency_penalty": NaN}',
                           headers={"content-type": "application/json"})
         assert nan.status_code == 400 and "frequency_penalty=nan" in nan.json()["error"]["message"]
+
+
+def test_text_that_is_not_unicode_is_a_400(fake_app: Any) -> None:
+    """A JSON \\u escape can carry a lone surrogate, which no tokenizer takes (was a 500)."""
+    with TestClient(fake_app) as client:
+        for route, body in (("/v1/completions", b'{"prompt": "\\ud800 x", "max_tokens": 2}'),
+                            ("/v1/chat/completions",
+                             b'{"messages": [{"role": "user", "content": "x\\udfff"}], "max_tokens": 2}')):
+            response = client.post(route, content=body, headers={"content-type": "application/json"})
+            assert response.status_code == 400, response.text
+            assert "lone surrogate" in response.json()["error"]["message"]
 
 
 def test_ignore_eos_stop_token_ids_and_min_tokens_reach_the_engine(fake_app: Any, fake_engine: Any) -> None:

@@ -11,7 +11,15 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP_TOKEN_IDS = 1024
@@ -29,6 +37,9 @@ UNHONOURED: dict[str, tuple[Any, ...]] = {
     "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,), "bad_words": (None, []),
     "allowed_token_ids": (None,), "guided_json": (None,), "guided_regex": (None,),
     "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,),
+    # constrained or tool-calling output: plain text only
+    "response_format": (None, {"type": "text"}), "tools": (None, []), "functions": (None, []),
+    "tool_choice": (None, "none", "auto"),
 }
 
 
@@ -60,7 +71,7 @@ class _SamplingFields(BaseModel):
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)  # what a torch generator takes
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -104,7 +115,7 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     """`prompt` is one text or one list of token ids (batched prompts are not supported)."""
 
-    prompt: str | list[int]
+    prompt: str | list[StrictInt]  # ["1", "2"] is not read as token ids (vLLM would batch it)
     max_tokens: int | None = Field(DEFAULT_COMPLETION_MAX_TOKENS, ge=1)
     echo: bool = False
     logprobs: int | None = None
