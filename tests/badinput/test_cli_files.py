@@ -42,6 +42,14 @@ def test_output_paths_are_checked_and_left_as_found(tmp_path: Path) -> None:
     assert output_file(str(kept)) == kept and kept.read_text() == "old"
     logs = output_dir(str(tmp_path / "logs" / "run1"))
     assert logs.is_dir() and list(logs.iterdir()) == []
+    dangling = tmp_path / "dangling.json"
+    dangling.symlink_to(tmp_path / "nowhere" / "x.json")
+    with pytest.raises(argparse.ArgumentTypeError, match="link to nowhere"):
+        output_file(str(dangling))
+    assert dangling.is_symlink() and not (tmp_path / "nowhere").exists()  # the link is left as it was
+    with pytest.raises(argparse.ArgumentTypeError):
+        output_dir(str(blocker / "a" / "b"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "dangling.json", "kept.json", "logs", "new"]
 
 
 def test_bench_outputs_refused_before_the_run(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ loading anything, and say they serve only once their socket listens."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvlink.procs.launcher import free_port
-from kvlink.serve.listen import ListenError, check_free, listen
+from kvlink.serve.listen import ListenError, check_free, check_kv_ports, listen
 
 KVLINK = [sys.executable, "-m", "kvlink.cli.main"]
 
@@ -33,7 +34,7 @@ def _run(argv: list[str], limit_s: float = 30.0) -> subprocess.CompletedProcess[
 
 
 def test_listen_and_check_free(taken: int) -> None:
-    sock = listen("127.0.0.1", 0)
+    [sock] = listen("127.0.0.1", 0)
     try:
         port = sock.getsockname()[1]
         with socket.create_connection(("127.0.0.1", port), timeout=2):
@@ -47,6 +48,31 @@ def test_listen_and_check_free(taken: int) -> None:
         check_free("no-such-host.invalid", [0])
     with pytest.raises(ListenError, match=f"127.0.0.1:{taken}"):
         listen("127.0.0.1", taken)
+    with pytest.raises(ListenError, match=f"127.0.0.1:{taken} \\(--kv-host, --kv-port\\)"):
+        check_kv_ports("127.0.0.1", [taken])
+
+
+def test_listen_binds_every_address_of_the_host_as_asyncio_does() -> None:
+    """`localhost` may resolve to 127.0.0.1 and ::1: a server listens on each, as uvicorn's own
+    bind did; an empty host is every interface."""
+    port = free_port()
+    want = {address[:2] for _, _, _, _, address in
+            socket.getaddrinfo("localhost", port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)}
+    sockets = listen("localhost", port)
+    try:
+        assert {s.getsockname()[:2] for s in sockets} == want
+        for s in sockets:
+            if s.family == socket.AF_INET6:
+                assert s.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY) == 1
+    finally:
+        for s in sockets:
+            s.close()
+    everywhere = listen("", free_port())
+    try:
+        assert "0.0.0.0" in {s.getsockname()[0] for s in everywhere}
+    finally:
+        for s in everywhere:
+            s.close()
 
 
 @pytest.mark.parametrize("args", [
@@ -85,6 +111,10 @@ def test_proxy_refuses_a_taken_port_and_serves_once_it_listens(taken: int) -> No
         assert f"kvlink proxy on http://127.0.0.1:{port}" in line
         with socket.create_connection(("127.0.0.1", port), timeout=2):
             pass  # listening by the time it said so
+        live.send_signal(signal.SIGINT)  # Ctrl-C: a quiet exit 0, as before
+        assert live.wait(timeout=15) == 0
+        rest = live.stdout.read()
+        assert "Traceback" not in rest, rest
     finally:
         live.terminate()
         try:

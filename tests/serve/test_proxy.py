@@ -74,6 +74,11 @@ def pd() -> Iterator[tuple[str, FakeEngine, FakeEngine]]:
         yield stack.enter_context(serve_in_thread(proxy)), p_engine, d_engine
 
 
+def p_engine_url(proxy_url: str) -> str:
+    """The prefill instance behind a proxy (its /health names it)."""
+    return str(httpx.get(f"{proxy_url}/health", timeout=5).json()["prefill"][0]["url"])
+
+
 def test_prefill_params_are_forwarded_to_decode(pd: tuple[str, FakeEngine, FakeEngine]) -> None:
     proxy_url, p_engine, d_engine = pd
     request = {"prompt": "hello", "max_tokens": 5}
@@ -314,6 +319,24 @@ def test_fields_p_would_not_see_are_checked_before_p_prefills(
     assert fine.status_code == 200, fine.text  # what an instance coerces, the proxy lets through
 
 
+@pytest.mark.parametrize("extra", [{"stream": None}, {"stream": "false"}, {"min_tokens": "2", "max_tokens": "3"},
+                                   {"stream": True, "stream_options": {"include_usage": None, "other": 1}}])
+def test_values_an_instance_coerces_reach_d_as_it_reads_them(
+        pd: tuple[str, FakeEngine, FakeEngine], extra: dict[str, object]) -> None:
+    """What P accepts D must accept too: the proxy passes the rewritten fields on as an instance
+    reads them (null stream as false, "false" as false, "2" as 2), so D does not refuse what
+    P prefilled, and a "false" stream is answered as JSON, not as an event stream."""
+    proxy_url, p_engine, d_engine = pd
+    response = httpx.post(f"{proxy_url}/v1/completions", json={"prompt": "hello", **extra}, timeout=10)
+    assert response.status_code == 200, response.text
+    assert len(p_engine.seen) == len(d_engine.seen) == 1
+    streamed = extra.get("stream") is True
+    assert response.headers["content-type"].startswith("text/event-stream" if streamed else "application/json")
+    if "min_tokens" in extra:
+        [(_, d_sampling, _)] = d_engine.seen.values()
+        assert d_sampling.min_tokens == 2 and d_sampling.max_tokens == 3
+
+
 def test_text_no_utf8_can_carry_is_the_clients_400_not_ps_502(pd: tuple[str, FakeEngine, FakeEngine]) -> None:
     """A lone surrogate (a JSON \\u escape) goes on to P as JSON and P refuses it; a request id
     HTTP cannot carry is refused by the proxy. Neither is blamed on P as a 502."""
@@ -350,9 +373,12 @@ def test_bodies_over_the_cap_are_413_on_instances_and_the_proxy(pd: tuple[str, F
         for start in range(0, len(big), 1 << 20):
             yield big[start:start + (1 << 20)]
 
-    for content in (big, chunks()):
-        response = httpx.post(f"{proxy_url}/v1/completions", content=content, timeout=30,
-                              headers={"content-type": "application/json"})
-        assert response.status_code == 413, response.text[:300]
-        assert response.json()["error"]["code"] == "request_too_large"
+    p_url = p_engine_url(proxy_url)
+    for url in (proxy_url, p_url):  # the proxy reads the body itself; an instance through FastAPI
+        for content in (big, chunks()):
+            response = httpx.post(f"{url}/v1/completions", content=content, timeout=30,
+                                  headers={"content-type": "application/json"})
+            assert response.status_code == 413, response.text[:300]
+            assert response.json()["error"]["code"] == "request_too_large"
     assert not p_engine.seen and not d_engine.seen
+    assert httpx.get(f"{p_url}/health", timeout=5).status_code == 200

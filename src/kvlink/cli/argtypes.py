@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -35,35 +37,53 @@ def env_pair(text: str) -> tuple[str, str]:
     return name, value
 
 
+def _make_dirs(path: Path) -> list[Path]:
+    """Make `path` and its missing parents; the ones made, deepest last."""
+    missing = [p for p in (path, *path.parents) if not p.exists()][::-1]
+    for directory in missing:
+        directory.mkdir(exist_ok=True)
+    return missing
+
+
 def output_file(text: str) -> Path:
-    """A file a command writes when it is done: checked before it starts (its directory is
-    made and the file opened for writing; one made only for the check is removed again), so a
-    long run does not end in a traceback over a path it could never write."""
+    """A file a command writes when it is done, checked before it starts, so that a long run
+    does not end in a traceback over a path it could never write. An existing file (or link)
+    must be writable and is left as it is; for a new one, its directory is made (and stays)
+    and a file is created there and removed again."""
     path = Path(text)
     if not text or path.is_dir():
         raise argparse.ArgumentTypeError(f"expected a file path, got {text!r}" + (" (a directory)" if text else ""))
+    if os.path.lexists(path):
+        if not os.access(path, os.W_OK):  # a dangling link too: its target does not exist
+            raise argparse.ArgumentTypeError(f"cannot write {text}: not writable or a link to nowhere")
+        return path
+    made: list[Path] = []
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        existed = path.exists()
-        with open(path, "a"):
-            pass
-        if not existed:
-            path.unlink()
+        made = _make_dirs(path.parent)
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        path.unlink()
     except OSError as error:
+        for directory in reversed(made):
+            with contextlib.suppress(OSError):
+                directory.rmdir()
         raise argparse.ArgumentTypeError(f"cannot write {text}: {error.strerror or error}") from None
     return path
 
 
 def output_dir(text: str) -> Path:
-    """A directory a command writes into: made now, and checked writable (a file is created
-    and removed in it)."""
+    """A directory a command writes into: made now (and kept), and checked writable (a file is
+    created and removed in it); what was made is removed again when the check fails."""
     path = Path(text)
     if not text:
         raise argparse.ArgumentTypeError("expected a directory path, got ''")
+    made: list[Path] = []
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        made = _make_dirs(path)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".kvlink-write-check-"):
             pass
     except OSError as error:
+        for directory in reversed(made):
+            with contextlib.suppress(OSError):
+                directory.rmdir()
         raise argparse.ArgumentTypeError(f"cannot write into {text}: {error.strerror or error}") from None
     return path

@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from kvlink.serve.upstream import SERVER_KEEPALIVE_S
 
     try:
-        sock = listen(args.host, args.port)
+        sockets = listen(args.host, args.port)
     except ListenError as error:
         print(f"kvlink proxy: {error}", file=sys.stderr, flush=True)
         return 2
@@ -60,6 +60,6 @@ def run(args: argparse.Namespace) -> int:
     app.router.add_event_handler(
         "startup", lambda: print(f"kvlink proxy on {url}: prefill {' '.join(args.prefill)}, "
                                  f"decode {' '.join(args.decode)}", flush=True))
-    serve(app, sock, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
+    serve(app, sockets, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
           timeout_keep_alive=SERVER_KEEPALIVE_S)
     return 0

@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     from kvlink.serve.api_server import build_app
     from kvlink.serve.engine_loop import AsyncEngine
     from kvlink.serve.factory import build_engine
-    from kvlink.serve.listen import ListenError, check_free, listen, serve
+    from kvlink.serve.listen import ListenError, check_free, check_kv_ports, listen, serve
     from kvlink.serve.metrics import MetricsRegistry
     from kvlink.serve.upstream import SERVER_KEEPALIVE_S
 
@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     try:  # a taken port or an address that does not resolve is refused before the model loads
         check_free(args.host, [args.port])
         if args.role != "both":
-            check_free(args.kv_host or args.host, [args.kv_port + r if args.kv_port else 0 for r in range(args.tp)])
+            check_kv_ports(args.kv_host or args.host, [args.kv_port + r if args.kv_port else 0 for r in range(args.tp)])
     except ListenError as error:
         print(f"kvlink serve: {error}", file=sys.stderr, flush=True)
         return 2
@@ -161,11 +161,11 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, NotImplementedError, FileNotFoundError) as error:
         print(f"kvlink serve: {error}", flush=True)
         return 2
-    except OSError as error:  # the KV side channel could not listen after all (taken meanwhile)
-        print(f"kvlink serve: cannot start the KV side channel: {error}", file=sys.stderr, flush=True)
+    except OSError as error:  # a file the model needs, or a port taken since the check
+        print(f"kvlink serve: cannot start: {error}", file=sys.stderr, flush=True)
         return 2
     try:  # listens only now: until the engine is up, a connection is refused, not left waiting
-        sock = listen(args.host, args.port)
+        sockets = listen(args.host, args.port)
     except ListenError as error:
         if served.close is not None:
             served.close()
@@ -188,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
                                  f"on {url}", flush=True))
     engine.start()
     try:
-        serve(app, sock, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
+        serve(app, sockets, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
               timeout_keep_alive=SERVER_KEEPALIVE_S)
     finally:
         engine.shutdown()

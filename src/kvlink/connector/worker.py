@@ -168,6 +168,8 @@ class NixlWorker(ConnectorWorker):
         for rid in metadata.frees:
             if self.leases.release(rid):  # a held request let go early: its blocks go back now
                 self.out.finished_sending.add(rid)
+                if self.push is not None:
+                    self.push.forget_blocks(rid)
             if self.push is not None:
                 self.push.end_stream(rid)
         self._waiting += [("load", local_tail(e, self.model, self.block_size)) for e in metadata.loads]

@@ -56,6 +56,7 @@ class _Command:
 class _Stream:
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue[Any]
+    added: bool = False  # the engine took the request (set on the engine thread)
 
 
 BACKGROUND_POLL_S = 0.001
@@ -125,6 +126,7 @@ class AsyncEngine:
                 raise ValueError(f"request id {request_id!r} is already in flight; use a unique id")
             engine.add_request(request_id, prompt_ids, sampling, kv_transfer_params)
             self._streams[request_id] = stream
+            stream.added = True
 
         try:
             await asyncio.wait_for(self.call(add), self.request_timeout_s)
@@ -158,7 +160,7 @@ class AsyncEngine:
         finally:
             self._in_flight -= 1
             if not finished:
-                self._post(lambda engine: self._abort(request_id))
+                self._post(lambda engine: self._abort(request_id, stream))
 
     async def release_remote_prefill(
         self, prompt_ids: list[int], sampling: Any, kv_transfer_params: dict[str, Any],
@@ -219,23 +221,30 @@ class AsyncEngine:
 
     def _abort(self, request_id: str, stream: _Stream | None = None) -> None:
         """Abort `request_id` if it is still in flight (and, given `stream`, only if it is that
-        caller's request, not another one under the same id)."""
-        if stream is not None and self._streams.get(request_id) is not stream:
+        caller's request, not another one under the same id). A request of this caller that
+        finished before the caller read its last output is let go in the engine: a P
+        request's blocks wait under a lease for a decoder nobody told."""
+        current = self._streams.get(request_id)
+        if current is None:
+            if stream is None or stream.added:
+                self._release_held(request_id)
             return
-        if self._streams.pop(request_id, None) is None:
-            # Finished in the engine, but the caller left before reading the last output: a P
-            # request's blocks wait under a lease for a decoder nobody told. Let them go now.
-            release = getattr(self.engine, "release_held", None)
-            if stream is None and release is not None:
-                try:
-                    release(request_id)
-                except Exception:
-                    logger.exception("engine.release_held(%s) failed", request_id)
-            return
+        if stream is not None and current is not stream:
+            return  # another caller's request under this id
+        del self._streams[request_id]
         try:
             self.engine.abort(request_id)
         except Exception:
             logger.exception("engine.abort(%s) failed", request_id)
+
+    def _release_held(self, request_id: str) -> None:
+        release = getattr(self.engine, "release_held", None)
+        if release is None:
+            return
+        try:
+            release(request_id)
+        except Exception:
+            logger.exception("engine.release_held(%s) failed", request_id)
 
     def _deliver(self, request_id: str, item: Any, final: bool) -> None:
         stream = self._streams.pop(request_id, None) if final else self._streams.get(request_id)

@@ -25,7 +25,7 @@ import anyio
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from kvlink.serve.body_limit import limit_bodies
 from kvlink.serve.disconnect import unless_disconnected
@@ -71,26 +71,41 @@ def encode_body(body: dict[str, Any]) -> bytes:
     return json.dumps(body).encode("ascii")
 
 
+class _StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+
 # The fields P's leg rewrites: a bad value here would reach only D, after P had prefilled for
-# nothing, so the proxy refuses it first (the types of the OpenAI API, as pydantic checks them).
+# nothing, so the proxy checks them first, with the lax types the instances use (pydantic),
+# and passes them on as those read them (`"5"` as 5, `"false"` as false; null `stream` as
+# false, null in `stream_options` left out), so that what P accepts D accepts too.
 _REWRITTEN: dict[str, TypeAdapter[Any]] = {
     "max_tokens": TypeAdapter(Annotated[int, Field(ge=1)] | None),
     "max_completion_tokens": TypeAdapter(Annotated[int, Field(ge=1)] | None),
     "min_tokens": TypeAdapter(Annotated[int, Field(ge=0)] | None),
     "stream": TypeAdapter(bool | None),
-    "stream_options": TypeAdapter(dict[str, Any] | None),
+    "stream_options": TypeAdapter(_StreamOptions | None),
 }
 
 
 def check_rewritten(body: dict[str, Any]) -> None:
-    """400 for a value of a field P's leg rewrites that no instance would take."""
+    """400 for a value of a field P's leg rewrites that no instance would take; the others
+    are written back as an instance reads them."""
     for name, adapter in _REWRITTEN.items():
-        if name in body:
-            try:
-                adapter.validate_python(body[name])
-            except ValidationError as error:
-                problem = error.errors()[0].get("msg", "invalid value")
-                raise APIError(400, f"{name}={body[name]!r}: {problem}", "invalid_value", param=name) from None
+        if name not in body:
+            continue
+        try:
+            value = adapter.validate_python(body[name])
+        except ValidationError as error:
+            problem = error.errors()[0].get("msg", "invalid value")
+            raise APIError(400, f"{name}={body[name]!r}: {problem}", "invalid_value", param=name) from None
+        if isinstance(value, _StreamOptions):
+            value = {k: v for k, v in value.model_dump().items() if v is not None}
+        elif name == "stream" and value is None:
+            value = False
+        body[name] = value
 
 
 def request_id_of(raw: Request) -> str:
@@ -340,13 +355,18 @@ def build_proxy_app(
     async def route(raw: Request, path: str) -> Response:
         started = time.monotonic()
         try:
-            body = parse_json(await raw.body())
-        except ValueError as error:
-            raise APIError(400, f"request body is not valid JSON: {error}", "invalid_json") from error
-        if not isinstance(body, dict):
-            raise APIError(400, "request body must be a JSON object", "invalid_json")
-        check_rewritten(body)
-        request_id = request_id_of(raw)
+            try:
+                body = parse_json(await raw.body())
+            except ValueError as error:
+                raise APIError(400, f"request body is not valid JSON: {error}", "invalid_json") from error
+            if not isinstance(body, dict):
+                raise APIError(400, "request body must be a JSON object", "invalid_json")
+            check_rewritten(body)
+            request_id = request_id_of(raw)
+        except APIError as error:  # refused before any instance was asked: counted and logged all the same
+            metrics.inc("requests_total", outcome=error.code or "error")
+            log_request("-", None, None, started, f"{error.code or 'error'} ({error.message})")
+            raise
         headers = {"X-Request-Id": request_id}
         if "authorization" in raw.headers:
             headers["Authorization"] = raw.headers["authorization"]
