@@ -343,8 +343,10 @@ def test_client_leaving_while_p_prefills_frees_p_before_its_lease(smollm: Cluste
     that is running, but its params never reach anyone, so P must free the blocks now, not
     when its lease (30 s) runs out."""
     proxy, _, _ = urls(smollm)
-    long_prompt = (PASSAGE + "\n") * 3
-    for leave_after_s in (0.05, 0.15):  # P's prefill of ~930 tokens takes longer, even on an idle machine
+    for leave_after_s in (0.05, 0.15):
+        # ~930 new tokens (nothing cached: the prompt starts differently each time) take P
+        # about a second here, and several under load
+        long_prompt = f"({leave_after_s} s, then the client leaves) " + (PASSAGE + "\n") * 3
         with pytest.raises(httpx.TimeoutException):
             httpx.post(f"{proxy}/v1/completions", timeout=leave_after_s,
                        json={"prompt": long_prompt, "max_tokens": 4, "temperature": 0})
