@@ -9,18 +9,21 @@ import sys
 import pytest
 
 from kvlink.cli.main import BENCHES, COMMANDS
+from kvlink.procs.launcher import free_port
 
 pytestmark = pytest.mark.timeout(120)
 
 HEAVY = ("torch", "nixl", "nixl_cu12", "nixl_cu13")
 
-# Runs each command through `main` in one interpreter, uvicorn.run stubbed (the proxy would
-# serve forever), and prints, after each, its exit code, the heavy packages loaded so far and
-# the kvlink subpackages loaded so far.
+# Runs each command through `main` in one interpreter, uvicorn's serving stubbed (the proxy
+# would serve forever; it still binds its port), and prints, after each, its exit code, the heavy packages
+# loaded so far and the kvlink subpackages loaded so far.
 WRAPPER = """
 import json, sys
 import uvicorn
-uvicorn.run = lambda *args, **kwargs: None
+def _started(self, sockets=None):
+    self.started = True
+uvicorn.Server.run = _started
 from kvlink.cli.main import main
 heavy, seen = set(json.loads(sys.argv[1])), {}
 for argv in json.loads(sys.argv[2]):
@@ -40,7 +43,7 @@ LIGHT_RUNS = [
     ["plan", "--preset", "hybrid-mamba2", "--p-tp", "2", "--d-tp", "1", "--tokens", "40", "--json"],
     ["plan", "--preset", "deepseek-mla", "--p-tp", "4", "--d-tp", "1", "--tokens", "20"],
     ["bench", "plan", "--tokens", "1024", "--repeat", "1"],
-    ["proxy", "--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9"],
+    ["proxy", "--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9", "--port", str(free_port())],
 ]
 HELP_RUNS = [["--help"], ["bench", "--help"], *([name, "--help"] for name in COMMANDS),
              *(["bench", name, "--help"] for name in BENCHES)]

@@ -92,7 +92,9 @@ def test_d_abort_before_allocation_frees_p_at_once(engines: dict[str, Engine]) -
 
 
 def test_p_side_abort_frees_without_waiting(engines: dict[str, Engine]) -> None:
-    """P's engine aborts a held request: `frees` drops the lease at once, nothing expires later."""
+    """P's engine lets a held request go (its caller left before taking the params): `frees`
+    drops the lease at once and P reports the request sent, so the engine frees its blocks;
+    nothing expires later."""
     p = engines["P"]
     expired_before = _p_state(p)["expired_total"]
     p.prefill("p-abort", 3, 40, [blocks(8, 3)])
@@ -101,7 +103,7 @@ def test_p_side_abort_frees_without_waiting(engines: dict[str, Engine]) -> None:
     assert "p-abort" not in _p_state(p)["lease_ids"]
     time.sleep(LEASE_S + 0.3)
     assert _p_state(p)["expired_total"] == expired_before
-    assert "p-abort" not in p.peers[0].finished_sending
+    assert "p-abort" in p.peers[0].finished_sending
     _pull_ok(p, engines["D"], "after-p-abort", 4)
 
 
