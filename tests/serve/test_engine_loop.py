@@ -158,3 +158,42 @@ def test_a_call_cancelled_before_it_runs_does_not_kill_the_engine(async_engine: 
         assert async_engine.alive
 
     asyncio.run(main())
+
+
+class _HoldingEngine(FakeEngine):
+    """A fake engine that records which finished requests it was told to let go."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.released: list[str] = []
+
+    def release_held(self, request_id: str) -> bool:
+        self.released.append(request_id)
+        return True
+
+
+def test_a_caller_that_left_after_its_request_finished_lets_it_go() -> None:
+    """The abort a leaving caller posts finds its request finished (its last output unread):
+    the engine lets it go (a P request's blocks would wait for a lease). Never for a request
+    the engine did not take from this caller, or that belongs to another caller."""
+    from kvlink.serve.engine_loop import _Stream
+
+    engine = _HoldingEngine()
+    loop_engine = AsyncEngine(engine, request_timeout_s=5.0)
+    loop = asyncio.new_event_loop()
+    try:
+        def stream(added: bool) -> _Stream:
+            return _Stream(loop, asyncio.Queue(), added=added)
+
+        mine = stream(added=True)
+        loop_engine._abort("done", mine)  # finished: no stream left under its id
+        never = stream(added=False)
+        loop_engine._abort("refused", never)  # the engine never took it
+        loop_engine._streams["shared"] = stream(added=True)
+        loop_engine._abort("shared", stream(added=True))  # another caller's request under this id
+        loop_engine._streams["running"] = running = stream(added=True)
+        loop_engine._abort("running", running)  # still in flight: aborted, not released
+    finally:
+        loop.close()
+    assert engine.released == ["done"]
+    assert engine.aborted == ["running"] and "shared" in loop_engine._streams

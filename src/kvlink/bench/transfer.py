@@ -468,6 +468,7 @@ class _Runner:
             i += 1
         rows = []
         base_walls = [s["wall_s"] for s in samples[modes[0]]]
+        raw_s = statistics.median(raw_times)
         for mode, d in zip(modes, self.ds, strict=True):
             # an untimed request whose pages are then compared (the raw READs overwrite D's buffer)
             p_ids, d_ids = self._ids(tokens, layout)
@@ -476,7 +477,6 @@ class _Runner:
             row["verify_kv"] = mode
             row["verified_pages"] = self._verify(p_ids, d_ids, d)
             walls = [s["wall_s"] for s in samples[mode]]
-            raw_s = statistics.median(raw_times)
             row.update(raw_s=raw_s, raw_gbps=row["rank0_nbytes"] / raw_s / 1e9, raw_all_s=raw_times,
                        raw_descriptors=raw["descriptors"], raw_merged=raw["merged_descriptors"],
                        raw_desc_bytes=raw["desc_bytes"])

@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +38,21 @@ def env_pair(text: str) -> tuple[str, str]:
     return name, value
 
 
-def _make_dirs(path: Path) -> list[Path]:
-    """Make `path` and its missing parents; the ones made, deepest last."""
-    missing = [p for p in (path, *path.parents) if not p.exists()][::-1]
-    for directory in missing:
-        directory.mkdir(exist_ok=True)
-    return missing
+@contextlib.contextmanager
+def _dirs_made_for(path: Path) -> Iterator[None]:
+    """Make `path` and its missing parents for the body of the block; when the making or
+    the body fails (OSError), remove again the directories made here."""
+    made: list[Path] = []
+    try:
+        for directory in [p for p in (path, *path.parents) if not p.exists()][::-1]:
+            directory.mkdir(exist_ok=True)
+            made.append(directory)
+        yield
+    except OSError:
+        for directory in reversed(made):
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+        raise
 
 
 def output_file(text: str) -> Path:
@@ -57,15 +67,11 @@ def output_file(text: str) -> Path:
         if not os.access(path, os.W_OK):  # a dangling link too: its target does not exist
             raise argparse.ArgumentTypeError(f"cannot write {text}: not writable or a link to nowhere")
         return path
-    made: list[Path] = []
     try:
-        made = _make_dirs(path.parent)
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-        path.unlink()
+        with _dirs_made_for(path.parent):
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            path.unlink()
     except OSError as error:
-        for directory in reversed(made):
-            with contextlib.suppress(OSError):
-                directory.rmdir()
         raise argparse.ArgumentTypeError(f"cannot write {text}: {error.strerror or error}") from None
     return path
 
@@ -76,14 +82,9 @@ def output_dir(text: str) -> Path:
     path = Path(text)
     if not text:
         raise argparse.ArgumentTypeError("expected a directory path, got ''")
-    made: list[Path] = []
     try:
-        made = _make_dirs(path)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".kvlink-write-check-"):
+        with _dirs_made_for(path), tempfile.NamedTemporaryFile(dir=path, prefix=".kvlink-write-check-"):
             pass
     except OSError as error:
-        for directory in reversed(made):
-            with contextlib.suppress(OSError):
-                directory.rmdir()
         raise argparse.ArgumentTypeError(f"cannot write into {text}: {error.strerror or error}") from None
     return path

@@ -19,7 +19,7 @@ from kvlink.bench.transfer import (
 from kvlink.bench.transfer_report import plot, table, verdicts
 from kvlink.cli.argtypes import output_file
 from kvlink.cli.ranges import ranged, ranged_list
-from kvlink.connector.config import VERIFY_MODES, ConnectorConfig
+from kvlink.connector.config import ConnectorConfig
 from kvlink.layout.limits import (
     BLOCK_SIZE,
     COUNT,
@@ -31,15 +31,6 @@ from kvlink.layout.limits import (
 from kvlink.layout.presets import PRESETS
 
 
-def verify_modes(text: str) -> str:
-    """--verify-kv: one mode or several, comma-separated, each once."""
-    modes = [m.strip() for m in text.split(",")]
-    if not text.strip() or any(m not in VERIFY_MODES for m in modes) or len(set(modes)) != len(modes):
-        raise argparse.ArgumentTypeError(f"expected one or more of {', '.join(VERIFY_MODES)}, "
-                                         f"comma-separated, each once; got {text!r}")
-    return ",".join(modes)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="llama3-8b", choices=sorted(PRESETS),
                         help="model preset (attention or MLA)")
@@ -49,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--d-tp", type=ranged(TP), default=1, help="decode TP size")
     parser.add_argument("--mode", choices=("pull", "push"), default="pull")
     parser.add_argument("--block-size", type=ranged(BLOCK_SIZE), default=16)
-    parser.add_argument("--verify-kv", type=verify_modes, default=None, metavar="MODE[,MODE...]",
+    parser.add_argument("--verify-kv", default=None, metavar="MODE[,MODE...]",  # BenchOptions checks it
                         help="KV integrity check of every request (off, sample, full; default "
                              f"{ConnectorConfig.verify_kv}, the connector's; off with --memory cuda, "
                              "which takes no other). Several, comma-separated (off,sample,full): one D "
