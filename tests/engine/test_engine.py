@@ -155,6 +155,21 @@ def test_max_model_len_refuses_requests_up_front(hybrid: TinyHybridModel) -> Non
     assert len(tokens_of(run_all(engine)["ok"])) == 6
 
 
+@pytest.mark.parametrize("flag", [True, "yes", 1, None])
+def test_a_colocated_engine_refuses_to_prefill_for_a_remote_decoder(hybrid: TinyHybridModel, flag: object) -> None:
+    """Without a KV connector nothing keeps a request's KV for D: a `do_remote_decode` request
+    (whatever its flag's value, bar False) is refused, not answered with an empty completion
+    and no params; `do_remote_decode: false` and other params are served as usual."""
+    engine = LLMEngine(hybrid, 8, BLOCK, KERNEL_BLOCK)
+    with pytest.raises(ValueError, match="no KV connector"):
+        engine.add_request("p", prompt(70, 6), SamplingParams(max_tokens=2), {"do_remote_decode": flag})
+    engine.add_request("plain", prompt(70, 6), SamplingParams(max_tokens=2), {"do_remote_decode": False})
+    engine.add_request("other", prompt(71, 6), SamplingParams(max_tokens=2), {"something": 1})
+    outputs = run_all(engine)
+    assert len(tokens_of(outputs["plain"])) == 2 and len(tokens_of(outputs["other"])) == 2
+    assert "p" not in outputs
+
+
 @pytest.mark.parametrize("chunk", [1, 3, 8, 13])
 def test_chunked_prefill_equals_the_reference_and_decodes_between_chunks(hybrid: TinyHybridModel,
                                                                          chunk: int) -> None:

@@ -130,6 +130,8 @@ def test_bad_requests_are_400_with_clear_messages(server: str) -> None:
         ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
         ({"prompt": "hi", "top_p": 0}, "top_p"),
         ({"prompt": [10**6]}, "token ids must be in [0, 49152)"),
+        # colocated: no connector keeps the KV for a decoder (was: 200, empty text, no params)
+        ({"prompt": "hi", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}, "no KV connector"),
     ]
     for body, expected in cases:
         response = httpx.post(f"{server}/v1/completions", json=body, timeout=10)

@@ -89,6 +89,14 @@ class LLMEngine:
                 f"request {request_id!r}: {len(prompt_token_ids)} prompt tokens + max_tokens "
                 f"{params.max_tokens} exceed max_model_len {self.max_model_len}; shorten one of them"
             )
+        if self.connector is None and kv_transfer_params and kv_transfer_params.get("do_remote_decode") is not False \
+                and "do_remote_decode" in kv_transfer_params:
+            # Colocated: nothing would keep this request's KV for a decoder; answering it would
+            # give an empty completion and no params, which a router passes on as if it were P's.
+            raise ValueError(
+                f"request {request_id!r}: kv_transfer_params.do_remote_decode asks for a prefill whose KV "
+                f"a remote decode instance reads, but this engine has no KV connector (it serves "
+                f"colocated); send it to a prefill instance, or drop kv_transfer_params")
         request = Request(request_id, list(prompt_token_ids), params, kv_transfer_params)
         if self.connector is not None:
             # May refuse bad kv_transfer_params; the request must not be registered then.
