@@ -37,6 +37,7 @@ from hypothesis import strategies as st
 from kvlink.bench.cluster import Cluster, ClusterSpec
 from kvlink.bench.instance_state import metric, wait_clean
 from kvlink.connector.notifs import Done, Heartbeat, encode
+from kvlink.procs.launcher import free_port, start_service, stop_all, wait_healthy
 from kvlink.transfer.agent import NixlAgent
 from kvlink.transfer.framing import pack_frame
 from kvlink.transfer.side_channel import fetch_payload
@@ -216,6 +217,76 @@ def test_statuses_a_router_acts_on(cluster: Cluster) -> None:
     # The held request is intact and loads from the real P.
     r = _complete(d_url, {"prompt": HELD_PROMPT, "max_tokens": 2, "temperature": 0, "kv_transfer_params": good})
     assert r.status_code == 200, r.text
+
+
+def _p_holds(p_url: str) -> int:
+    """Requests P's engine holds for decoders now (read on its engine thread)."""
+    return int(httpx.get(p_url + "/debug/state", timeout=10).json()["engine"]["held_requests"])
+
+
+def test_p_frees_at_once_the_params_a_router_hands_back(cluster: Cluster) -> None:
+    """`POST /v1/kv_release` on P with the params it answered with frees their blocks now
+    (a router whose decode leg never reached D), not when the lease ends; params it did not
+    sign, or not its own, are refused and free nothing; other instances have no such route."""
+    _, p_url, d_url = _urls(cluster)
+    held = _complete(p_url, {"prompt": "handed back " * 5, "max_tokens": 1, "temperature": 0,
+                             "kv_transfer_params": {"do_remote_decode": True}}).json()["kv_transfer_params"]
+    before = _p_holds(p_url)
+    assert before >= 1
+    handed_back = metric(p_url, "kv_params_handed_back_total", 'outcome="released"')
+
+    def release(body: Any) -> httpx.Response:
+        return httpx.post(p_url + "/v1/kv_release", json=body, timeout=10)
+
+    for forged, status in ((resigned(held, "another secret " * 3), 403),
+                           ({**held, "remote_block_ids": [[0]] * len(held["remote_block_ids"])}, 403),
+                           (resigned(held, cluster.secret, remote_engine_id="someone-else"), 403),
+                           ({**held, "tp_size": "two"}, 400)):
+        r = release({"kv_transfer_params": forged})
+        assert r.status_code == status, r.text
+    for junk in ([], {"kv_transfer_params": "x"}, {"other": 1}):
+        assert release(junk).status_code == 400
+    assert httpx.post(p_url + "/v1/kv_release", content=b"[" * 100_000, timeout=10).status_code == 400
+    assert metric(p_url, "kv_params_handed_back_total", 'outcome="released"') == handed_back  # refusals free nothing
+    r = release({"kv_transfer_params": held})
+    assert r.status_code == 200 and r.json() == {"released": True}, r.text
+    deadline = time.monotonic() + 10
+    while _p_holds(p_url) >= before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _p_holds(p_url) <= before - 1  # (other tests' leases may end meanwhile, never begin)
+    assert release({"kv_transfer_params": held}).json() == {"released": False}  # nothing held any more
+    assert metric(p_url, "kv_params_handed_back_total", 'outcome="released"') == handed_back + 1
+    r = httpx.post(d_url + "/v1/kv_release", json={"kv_transfer_params": held}, timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_a_prefill_instance"
+
+
+def test_the_proxy_hands_params_back_when_its_decode_leg_never_reached_d(cluster: Cluster, tmp_path: Path) -> None:
+    """A proxy whose decode instance is unreachable answers 502 `decode_unreachable` and
+    hands P's params back: P frees the blocks at once, not after its 30 s lease."""
+    _, p_url, _ = _urls(cluster)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead = sock.getsockname()[1]
+    port = free_port()
+    proxy = start_service("proxy-dead-d", ["proxy", "--prefill", p_url, "--decode", f"http://127.0.0.1:{dead}",
+                                           "--port", str(port)], port, tmp_path)
+    try:
+        wait_healthy([proxy], 30)
+        before = _p_holds(p_url)
+        released = metric(p_url, "kv_params_handed_back_total", 'outcome="released"')
+        started = time.monotonic()
+        r = _complete(proxy.url, {"prompt": "nobody decodes this " * 3, "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 502 and r.json()["error"]["code"] == "decode_unreachable", r.text
+        while metric(proxy.url, "params_handed_back_total", 'outcome="released"') < 1 \
+                and time.monotonic() - started < 10:
+            time.sleep(0.1)
+        # P freed this request's blocks (it said so), well inside its 30 s lease
+        assert metric(proxy.url, "params_handed_back_total", 'outcome="released"') == 1
+        assert metric(p_url, "kv_params_handed_back_total", 'outcome="released"') == released + 1
+        assert _p_holds(p_url) <= before
+        assert time.monotonic() - started < 10
+    finally:
+        stop_all([proxy])
 
 
 def test_d_clean_after_bad_input(cluster: Cluster) -> None:

@@ -6,7 +6,7 @@ import pytest
 
 from kvlink.connector.api import RequestView, WorkerOutput
 from kvlink.connector.config import ConnectorConfig
-from kvlink.connector.params import InvalidTransferParams
+from kvlink.connector.params import ForbiddenTransferParams, InvalidTransferParams
 from kvlink.connector.scheduler import NixlScheduler
 from kvlink.layout.presets import TINY_HYBRID
 
@@ -174,3 +174,28 @@ def test_invalid_params_are_refused_with_the_field_named(bad: dict[str, object])
     with pytest.raises(InvalidTransferParams) as err:
         s.on_new_request(RequestView("d1", [1, 2], p_params(**bad)))
     assert "kv_transfer_params" in str(err.value) or "remote" in str(err.value)
+
+
+def test_params_handed_back_unused_name_the_held_request_only_when_p_issued_them() -> None:
+    """A router hands P's params back when no decoder got them (`held_by_params`): P names
+    the request to free only for params it signed, in their lease, of its own start; other
+    engines' and altered params are refused, expired ones and an earlier start's name nothing."""
+    wall = Clock()
+    wall.now = 1000.0
+    config = ConnectorConfig("P", secret=b"s" * 32, incarnation="inc-2", lease_s=30.0)
+    s = NixlScheduler(config, tp_size=1, wall_clock=wall)
+    _, params = s.request_finished(RequestView("r1", list(range(40)), {"do_remote_decode": True}), [[1, 2, 3]],
+                                   aborted=False)
+    assert params is not None
+    assert s.held_by_params(params) == "r1"
+    assert s.release_held("r1") and s.build_step_metadata().frees == ["r1"]
+    with pytest.raises(ForbiddenTransferParams, match="does not match"):
+        s.held_by_params({**params, "remote_block_ids": [[1, 2, 4]]})
+    with pytest.raises(ForbiddenTransferParams, match="this is 'P'"):
+        s.held_by_params({**params, "remote_engine_id": "Q"})
+    with pytest.raises(InvalidTransferParams):
+        s.held_by_params({**params, "remote_block_ids": "nope"})
+    other = NixlScheduler(ConnectorConfig("P", secret=b"s" * 32, incarnation="inc-3"), tp_size=1, wall_clock=wall)
+    assert other.held_by_params(params) is None  # issued before this start
+    wall.now += 31.0
+    assert s.held_by_params(params) is None  # the lease is over

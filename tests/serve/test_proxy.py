@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -382,3 +383,64 @@ def test_bodies_over_the_cap_are_413_on_instances_and_the_proxy(pd: tuple[str, F
             assert response.json()["error"]["code"] == "request_too_large"
     assert not p_engine.seen and not d_engine.seen
     assert httpx.get(f"{p_url}/health", timeout=5).status_code == 200
+
+
+def recording_prefill_app(handed_back: list[dict[str, object]]) -> FastAPI:
+    """A prefill instance that answers every completion with params, and records the params
+    a router hands back on `/v1/kv_release`."""
+    app = FastAPI()
+    params = {"do_remote_prefill": True, "remote_engine_id": "P", "remote_request_id": "p-1",
+              "remote_block_ids": [[1, 2]], "remote_host": "127.0.0.1", "remote_port": 1, "tp_size": 1}
+
+    @app.post("/v1/completions")
+    async def completions() -> JSONResponse:
+        return JSONResponse({"choices": [{"text": "x", "index": 0}], "kv_transfer_params": params})
+
+    @app.post("/v1/kv_release")
+    async def release(body: dict[str, object]) -> JSONResponse:
+        handed_back.append(body)
+        return JSONResponse({"released": True})
+
+    return app
+
+
+def answering_decode_app() -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions() -> JSONResponse:
+        return JSONResponse({"choices": [{"text": "decoded", "index": 0, "finish_reason": "length"}]})
+
+    return app
+
+
+@pytest.mark.parametrize(("decode", "client_timeout_s", "hands_back"), [
+    ("unreachable", 10.0, True),  # D never got the params
+    ("silent", 0.5, True),  # the client leaves while D has not answered
+    ("failing", 10.0, True),  # D answered an error: whatever it did, nobody uses P's KV now
+    ("answering", 10.0, False),  # D answered: its load read P's KV and told P
+])
+def test_params_no_decoder_answered_for_go_back_to_p(decode: str, client_timeout_s: float, hands_back: bool) -> None:
+    """When the decode leg ends without a good answer from D, the proxy hands P's params back
+    (`POST /v1/kv_release`) so P frees the blocks now instead of at the end of its lease."""
+    handed_back: list[dict[str, object]] = []
+    with ExitStack() as stack:
+        p_url = stack.enter_context(serve_in_thread(recording_prefill_app(handed_back)))
+        d_app = answering_decode_app() if decode == "answering" else misbehaving_app(None if decode == "silent" else 500)
+        d_url = closed_port_url() if decode == "unreachable" else stack.enter_context(serve_in_thread(d_app))
+        proxy = stack.enter_context(serve_in_thread(build_proxy_app([p_url], [d_url], timeout_s=30.0)))
+        with pytest.raises(httpx.ReadTimeout) if decode == "silent" else contextlib.nullcontext():
+            response = httpx.post(f"{proxy}/v1/completions", json={"prompt": "hi"}, timeout=client_timeout_s)
+            assert response.status_code == (200 if decode == "answering" else 502)
+        deadline = time.monotonic() + 5
+        while hands_back and not handed_back and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not hands_back:
+            time.sleep(0.5)
+        metrics = httpx.get(f"{proxy}/metrics", timeout=5).text
+    if hands_back:
+        assert len(handed_back) == 1
+        assert handed_back[0]["kv_transfer_params"]["remote_request_id"] == "p-1"  # type: ignore[index]
+        assert 'kvlink_proxy_params_handed_back_total{outcome="released"} 1' in metrics
+    else:
+        assert not handed_back

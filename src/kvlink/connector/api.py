@@ -149,6 +149,15 @@ class ConnectorScheduler(abc.ABC):
         (they come back in `finished_sending`). False when nothing is held for it."""
         return False
 
+    def held_by_params(self, kv_transfer_params: dict[str, Any]) -> str | None:
+        """P: the request that `kv_transfer_params` handed back unused by a router (the decode
+        leg never reached a decoder) name, once they prove to be this engine's, signed and in
+        their lease: the engine then lets it go (`release_held`). None for params of an
+        earlier start of this engine or past their lease (nothing is held for them). Raises
+        `InvalidTransferParams` for malformed params, `ForbiddenTransferParams` for params this
+        engine did not issue."""
+        return None
+
     @abc.abstractmethod
     def shutdown(self) -> None:
         """Stop background threads and listeners."""

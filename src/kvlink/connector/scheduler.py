@@ -16,6 +16,7 @@ from typing import Any
 from kvlink.connector.api import ConnectorScheduler, RequestView, StepMetadata, WorkerOutput
 from kvlink.connector.config import ConnectorConfig
 from kvlink.connector.params import (
+    ForbiddenTransferParams,
     RemotePrefillParams,
     StaleTransferParams,
     check_integrity,
@@ -189,6 +190,20 @@ class NixlScheduler(ConnectorScheduler):
             return False
         self._step.frees.append(request_id)  # the worker drops the lease and reports it sent
         return True
+
+    def held_by_params(self, kv_transfer_params: dict[str, Any]) -> str | None:
+        params = parse_remote_prefill(kv_transfer_params)
+        if params.remote_engine_id != self.config.engine_id:
+            raise ForbiddenTransferParams(
+                f"kv_transfer_params name prefill engine {params.remote_engine_id!r}; this is "
+                f"{self.config.engine_id!r}: hand params back to the instance that issued them")
+        try:
+            check_integrity(params, None, self._secret, self._wall_clock())
+        except StaleTransferParams:
+            return None  # the lease is over: the blocks went back with it
+        if self.config.incarnation and params.remote_incarnation != self.config.incarnation:
+            return None  # issued by an earlier start of this engine: its blocks are gone
+        return params.remote_request_id
 
     def update_connector_output(self, output: WorkerOutput) -> None:
         for rid in output.finished_recving | output.failed_recving:

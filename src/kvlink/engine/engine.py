@@ -123,6 +123,19 @@ class LLMEngine:
         logger.info("request %s: its caller left before taking its KV params; freeing its blocks", request_id)
         return True
 
+    def release_by_params(self, kv_transfer_params: dict[str, Any]) -> bool:
+        """P: a router hands back the params of a request it never passed to a decoder (the
+        decode leg could not reach one, or its client left first): free the request's blocks
+        now, not when the lease ends. False when nothing is held for them. Raises ValueError
+        without a connector, and the connector's errors for params it did not issue."""
+        if self.connector is None:
+            raise ValueError("this engine has no KV connector: it holds no KV for decoders")
+        request_id = self.connector.held_by_params(kv_transfer_params)
+        if request_id is None or request_id not in self.held or not self.connector.release_held(request_id):
+            return False
+        logger.info("request %s: a router handed its KV params back unused; freeing its blocks", request_id)
+        return True
+
     def step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
         for request in scheduled.rejected:

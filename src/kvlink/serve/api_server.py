@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
@@ -190,6 +191,30 @@ def build_app(
             return APIError(404, f"this {role} instance takes no layerwise push requests",
                             "not_a_prefill_instance").response()
         return JSONResponse(kv_endpoint)
+
+    @app.post("/v1/kv_release")
+    async def kv_release(raw: Request) -> Response:
+        """P: a router hands back, unused, the `kv_transfer_params` of a request it never
+        passed to a decoder (the decode leg could not reach one, or its client left first):
+        the blocks are freed now instead of when the lease ends. Body: `{"kv_transfer_params":
+        {...}}` as P answered them; answer: `{"released": bool}` (false: nothing was held for
+        them any more). Params this engine did not issue and sign are refused (403)."""
+        if role != "prefill":
+            return APIError(404, f"this {role} instance holds no KV for decoders", "not_a_prefill_instance").response()
+        try:
+            body = json.loads(await raw.body())
+        except (ValueError, RecursionError) as error:
+            return APIError(400, f"request body is not valid JSON: {error}", "invalid_json").response()
+        params = body.get("kv_transfer_params") if isinstance(body, dict) else None
+        if not isinstance(params, dict):
+            return APIError(400, 'the body must be {"kv_transfer_params": {...}}, the params this instance '
+                                 "answered with", "invalid_value", param="kv_transfer_params").response()
+        try:
+            released = await engine.release_by_params(params)
+        except Exception as error:
+            return _as_api_error(error).response()
+        metrics.inc("kv_params_handed_back_total", outcome="released" if released else "nothing_held")
+        return JSONResponse({"released": released})
 
     @app.get("/health")
     async def health() -> Response:

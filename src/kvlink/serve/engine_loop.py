@@ -183,6 +183,11 @@ class AsyncEngine:
         released: bool = await self.call(release)
         return released
 
+    async def release_by_params(self, kv_transfer_params: dict[str, Any]) -> bool:
+        """P: free the blocks held for params a router hands back unused (`LLMEngine.release_by_params`)."""
+        released: bool = await self.call(lambda engine: engine.release_by_params(kv_transfer_params))
+        return released
+
     def _post(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future[Any]:
         command = _Command(fn, concurrent.futures.Future())
         with self._post_lock:

@@ -40,6 +40,7 @@ from kvlink.serve.upstream import (
 )
 
 PREFILL_HEADER = "x-kvlink-prefill-s"
+HAND_BACK_TIMEOUT_S = 5.0  # the proxy's call giving P back the params of a failed decode leg
 
 logger = logging.getLogger("kvlink.proxy")
 
@@ -201,8 +202,8 @@ def build_proxy_app(
                     decode_url or "-", (time.monotonic() - started) * 1e3, outcome)
 
     async def run_prefill(path: str, body: dict[str, Any],
-                          headers: dict[str, str]) -> tuple[dict[str, Any], float]:
-        """P's `kv_transfer_params` and the seconds the prefill leg took."""
+                          headers: dict[str, str]) -> tuple[dict[str, Any], float, str]:
+        """P's `kv_transfer_params`, the seconds the prefill leg took and P's URL."""
         started = time.monotonic()
         with prefill.acquire() as instance:
             answer = await post_json("prefill", instance, path, prefill_body(body), headers)
@@ -214,7 +215,33 @@ def build_proxy_app(
                                 "kv_transfer_params; is it running with --role prefill?",
                            "prefill_failed")
         learn_endpoint(instance.url, params)
-        return params, prefill_s
+        return params, prefill_s, instance.url
+
+    handing_back: set[asyncio.Task[None]] = set()
+
+    async def hand_back(p_url: str, params: dict[str, Any], headers: dict[str, str]) -> None:
+        """Give P back the params of a request no decoder got, so it frees the blocks now
+        (not when its lease ends). A P without the endpoint (vLLM) answers 404: its lease
+        frees them."""
+        try:
+            response = await client.post(p_url + "/v1/kv_release", content=encode_body({"kv_transfer_params": params}),
+                                         headers={**headers, "Content-Type": "application/json"},
+                                         timeout=HAND_BACK_TIMEOUT_S)
+            if response.status_code == 200:
+                outcome = "released" if response.json().get("released") else "nothing_held"
+            else:
+                outcome = "unsupported" if response.status_code == 404 else f"http_{response.status_code}"
+        except Exception as error:
+            outcome = "failed"
+            logger.warning("request %s: could not hand its KV params back to %s: %r", headers.get("X-Request-Id"),
+                           p_url, error)
+        metrics.inc("params_handed_back_total", outcome=outcome)
+        logger.info("request %s: KV params handed back to %s unused: %s", headers.get("X-Request-Id"), p_url, outcome)
+
+    def hand_back_later(p_url: str, params: dict[str, Any], headers: dict[str, str]) -> None:
+        task = asyncio.get_running_loop().create_task(hand_back(p_url, params, headers))
+        handing_back.add(task)
+        task.add_done_callback(handing_back.discard)
 
     async def stream_decode(path: str, body: dict[str, Any], headers: dict[str, str],
                             started: float, prefill_s: float) -> Response:
@@ -384,17 +411,25 @@ def build_proxy_app(
         try:
             # A client that leaves while P prefills must not get its KV moved to D for nobody:
             # cancelling the upstream call closes that connection, and the instance aborts.
-            params, prefilled_s = await unless_disconnected(raw, run_prefill(path, body, headers))
+            params, prefilled_s, p_url = await unless_disconnected(raw, run_prefill(path, body, headers))
             prefill_s = prefilled_s
             decode_request = dict(body, kv_transfer_params=params)
-            if body.get("stream"):
-                return await unless_disconnected(
-                    raw, stream_decode(path, decode_request, headers, started, prefilled_s))
-            sent = time.monotonic()
-            with decode.acquire() as instance:
-                decode_url = instance.url
-                answer = await unless_disconnected(
-                    raw, post_json("decode", instance, path, decode_request, headers))
+            try:
+                if body.get("stream"):
+                    return await unless_disconnected(
+                        raw, stream_decode(path, decode_request, headers, started, prefilled_s))
+                sent = time.monotonic()
+                with decode.acquire() as instance:
+                    decode_url = instance.url
+                    answer = await unless_disconnected(
+                        raw, post_json("decode", instance, path, decode_request, headers))
+            except APIError:
+                # No answer from D will use P's KV. D may never have got the params (unreachable,
+                # or the client left first), and then nobody frees P's blocks before the lease
+                # ends. Had D got them, it is done with them (it answered an error) or stops
+                # with the connection: P freeing early costs nobody anything.
+                hand_back_later(p_url, params, headers)
+                raise
             metrics.observe("decode_seconds", time.monotonic() - sent)
         except APIError as error:
             metrics.inc("requests_total", outcome=error.code or "error")
