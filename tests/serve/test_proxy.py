@@ -401,7 +401,40 @@ def recording_prefill_app(handed_back: list[dict[str, object]]) -> FastAPI:
         handed_back.append(body)
         return JSONResponse({"released": True})
 
+    @app.get("/v1/kv_endpoint")
+    async def endpoint() -> JSONResponse:
+        return JSONResponse({"remote_engine_id": "P", "remote_host": "127.0.0.1", "remote_port": 1, "tp_size": 1})
+
     return app
+
+
+def slow_refusing_decode_app(delay_s: float) -> FastAPI:
+    """A decode instance that refuses every request (400) after `delay_s`."""
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions() -> JSONResponse:
+        await asyncio.sleep(delay_s)
+        return JSONResponse({"error": {"message": "min_tokens too large", "code": "invalid_value"}}, status_code=400)
+
+    return app
+
+
+def test_a_layerwise_request_d_refuses_after_p_answered_hands_p_its_params_back() -> None:
+    """Layerwise: P and D legs run at once. If P has answered (its blocks held for D's push)
+    by the time D refuses, cancelling P's call frees nothing: the proxy hands its params back."""
+    handed_back: list[dict[str, object]] = []
+    with ExitStack() as stack:
+        p_url = stack.enter_context(serve_in_thread(recording_prefill_app(handed_back)))
+        d_url = stack.enter_context(serve_in_thread(slow_refusing_decode_app(0.3)))
+        proxy = stack.enter_context(serve_in_thread(build_proxy_app([p_url], [d_url], timeout_s=30.0, mode="layerwise")))
+        response = httpx.post(f"{proxy}/v1/completions", json={"prompt": "hi"}, timeout=10)
+        assert response.status_code == 400, response.text
+        deadline = time.monotonic() + 5
+        while not handed_back and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert len(handed_back) == 1
+    assert handed_back[0]["kv_transfer_params"]["remote_request_id"] == "p-1"  # type: ignore[index]
 
 
 def answering_decode_app() -> FastAPI:

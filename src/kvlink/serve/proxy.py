@@ -373,6 +373,12 @@ def build_proxy_app(
         except BaseException:
             d_call.cancel()
             p_call.cancel()
+            # P answered before D failed (or the client left): P holds the blocks for a push
+            # D will never ask for. Cancelling a finished call frees nothing: hand them back.
+            if p_call.done() and not p_call.cancelled() and p_call.exception() is None:
+                params = p_call.result().get("kv_transfer_params")
+                if isinstance(params, dict):
+                    hand_back_later(p_instance.url, params, headers)
             raise
         if not body.get("stream"):
             metrics.inc("requests_total", outcome="ok")
