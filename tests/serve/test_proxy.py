@@ -420,13 +420,15 @@ def slow_refusing_decode_app(delay_s: float) -> FastAPI:
     return app
 
 
-def test_a_layerwise_request_d_refuses_after_p_answered_hands_p_its_params_back() -> None:
+@pytest.mark.parametrize("d_delay_s", [0.3, 0.0])
+def test_a_layerwise_request_d_refuses_after_p_answered_hands_p_its_params_back(d_delay_s: float) -> None:
     """Layerwise: P and D legs run at once. If P has answered (its blocks held for D's push)
-    by the time D refuses, cancelling P's call frees nothing: the proxy hands its params back."""
+    when D refuses, or answers just after (its answer on the way: cancelling the call would
+    drop it), the proxy hands P's params back."""
     handed_back: list[dict[str, object]] = []
     with ExitStack() as stack:
         p_url = stack.enter_context(serve_in_thread(recording_prefill_app(handed_back)))
-        d_url = stack.enter_context(serve_in_thread(slow_refusing_decode_app(0.3)))
+        d_url = stack.enter_context(serve_in_thread(slow_refusing_decode_app(d_delay_s)))
         proxy = stack.enter_context(serve_in_thread(build_proxy_app([p_url], [d_url], timeout_s=30.0, mode="layerwise")))
         response = httpx.post(f"{proxy}/v1/completions", json={"prompt": "hi"}, timeout=10)
         assert response.status_code == 400, response.text

@@ -13,6 +13,7 @@ the whole split of its time to first token: P prefill, KV move, D's first token.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -41,6 +42,7 @@ from kvlink.serve.upstream import (
 
 PREFILL_HEADER = "x-kvlink-prefill-s"
 HAND_BACK_TIMEOUT_S = 5.0  # the proxy's call giving P back the params of a failed decode leg
+LAYERWISE_P_GRACE_S = 0.25  # a failed layerwise request: how long P's answer may still come
 
 logger = logging.getLogger("kvlink.proxy")
 
@@ -243,6 +245,26 @@ def build_proxy_app(
         handing_back.add(task)
         task.add_done_callback(handing_back.discard)
 
+    async def settle(p_call: asyncio.Future[dict[str, Any]], p_url: str, headers: dict[str, str]) -> None:
+        """A layerwise request failed on D's side (or its client left) while P's call runs or
+        has just answered. P's answer may be on its way already: cancelling the call then
+        would drop it, and P, its answer sent, would hold the blocks for a push nobody asks
+        for until its lease ends. So P gets a moment to answer (its params are handed back)
+        before its call is cancelled (the closed connection aborts P's request, and P frees)."""
+        with contextlib.suppress(BaseException):
+            await asyncio.wait({p_call}, timeout=LAYERWISE_P_GRACE_S)
+        if not p_call.done():
+            p_call.cancel()
+        elif not p_call.cancelled() and p_call.exception() is None:
+            params = p_call.result().get("kv_transfer_params")
+            if isinstance(params, dict):
+                await hand_back(p_url, params, headers)
+
+    def settle_later(p_call: asyncio.Future[dict[str, Any]], p_url: str, headers: dict[str, str]) -> None:
+        task = asyncio.get_running_loop().create_task(settle(p_call, p_url, headers))
+        handing_back.add(task)
+        task.add_done_callback(handing_back.discard)
+
     async def stream_decode(path: str, body: dict[str, Any], headers: dict[str, str],
                             started: float, prefill_s: float) -> Response:
         instance = decode.take()
@@ -339,7 +361,10 @@ def build_proxy_app(
         p_call.add_done_callback(lambda _: prefill.release(p_instance))
 
         def p_done(task: asyncio.Future[Any]) -> None:
-            failure = None if task.cancelled() else task.exception()
+            if task.cancelled():
+                logger.info("request %s: layerwise prefill cancelled", request_id)
+                return
+            failure = task.exception()
             if failure is not None:
                 logger.warning("request %s: layerwise prefill failed: %s", request_id, failure)
             else:
@@ -372,13 +397,7 @@ def build_proxy_app(
             response = await d_call
         except BaseException:
             d_call.cancel()
-            p_call.cancel()
-            # P answered before D failed (or the client left): P holds the blocks for a push
-            # D will never ask for. Cancelling a finished call frees nothing: hand them back.
-            if p_call.done() and not p_call.cancelled() and p_call.exception() is None:
-                params = p_call.result().get("kv_transfer_params")
-                if isinstance(params, dict):
-                    hand_back_later(p_instance.url, params, headers)
+            settle_later(p_call, p_instance.url, headers)
             raise
         if not body.get("stream"):
             metrics.inc("requests_total", outcome="ok")
