@@ -479,3 +479,46 @@ def test_params_no_decoder_answered_for_go_back_to_p(decode: str, client_timeout
         assert 'kvlink_proxy_params_handed_back_total{outcome="released"} 1' in metrics
     else:
         assert not handed_back
+
+
+def test_a_layerwise_proxy_follows_a_restarted_p_after_one_failed_request() -> None:
+    """The proxy keeps P's side channel from `/v1/kv_endpoint`. P restarted under a new
+    engine id makes D refuse the handshake: that request fails (retryable), the proxy forgets
+    the endpoint, asks P again and the next request goes through (it used to fail for good)."""
+    state = {"engine": "P-1"}
+    app = FastAPI()
+
+    @app.get("/v1/kv_endpoint")
+    async def endpoint() -> JSONResponse:
+        return JSONResponse({"remote_engine_id": state["engine"], "remote_host": "127.0.0.1", "remote_port": 1,
+                             "tp_size": 1})
+
+    @app.post("/v1/completions")
+    async def prefill() -> JSONResponse:
+        return JSONResponse({"choices": [{"text": "x", "index": 0}], "kv_transfer_params": {
+            "do_remote_prefill": True, "remote_engine_id": state["engine"], "remote_request_id": "r",
+            "remote_block_ids": [[1]], "remote_host": "127.0.0.1", "remote_port": 1, "tp_size": 1}})
+
+    decode = FastAPI()
+
+    @decode.post("/v1/completions")
+    async def decode_leg(body: dict[str, object]) -> JSONResponse:
+        named = body["kv_transfer_params"]["remote_engine_id"]  # type: ignore[index]
+        if named != state["engine"]:
+            return JSONResponse({"error": {"message": f"handshake refused: this listener serves engine "
+                                                      f"{state['engine']!r}, not {named!r}",
+                                           "code": "invalid_kv_transfer_params"}}, status_code=400)
+        return JSONResponse({"choices": [{"text": "decoded", "index": 0, "finish_reason": "length"}]})
+
+    with ExitStack() as stack:
+        p_url = stack.enter_context(serve_in_thread(app))
+        d_url = stack.enter_context(serve_in_thread(decode))
+        proxy = stack.enter_context(serve_in_thread(build_proxy_app([p_url], [d_url], timeout_s=30.0, mode="layerwise")))
+
+        def status() -> int:
+            return httpx.post(f"{proxy}/v1/completions", json={"prompt": "hi"}, timeout=10).status_code
+
+        assert status() == 200
+        state["engine"] = "P-2"  # P restarted
+        assert status() == 502  # D refused the old engine id
+        assert [status() for _ in range(3)] == [200, 200, 200]

@@ -258,6 +258,7 @@ def build_proxy_app(
         elif not p_call.cancelled() and p_call.exception() is None:
             params = p_call.result().get("kv_transfer_params")
             if isinstance(params, dict):
+                learn_endpoint(p_url, params)
                 await hand_back(p_url, params, headers)
 
     def settle_later(p_call: asyncio.Future[dict[str, Any]], p_url: str, headers: dict[str, str]) -> None:
@@ -322,7 +323,8 @@ def build_proxy_app(
     endpoint_keys = ("remote_engine_id", "remote_host", "remote_port", "tp_size")
 
     def learn_endpoint(url: str, params: dict[str, Any]) -> None:
-        if url not in endpoints and all(key in params for key in endpoint_keys):
+        """P's params name its side channel as it is now (a restarted P has a new engine id)."""
+        if all(key in params for key in endpoint_keys):
             endpoints[url] = {key: params[key] for key in endpoint_keys}
 
     async def kv_endpoint(instance: Instance) -> dict[str, Any] | None:
@@ -368,6 +370,9 @@ def build_proxy_app(
             if failure is not None:
                 logger.warning("request %s: layerwise prefill failed: %s", request_id, failure)
             else:
+                params = task.result().get("kv_transfer_params")
+                if isinstance(params, dict):
+                    learn_endpoint(p_instance.url, params)
                 taken = time.monotonic() - started
                 metrics.observe("prefill_seconds", taken)
                 # P's leg of a layerwise request (its queue, prefill and answer), as the
@@ -398,6 +403,10 @@ def build_proxy_app(
         except BaseException:
             d_call.cancel()
             settle_later(p_call, p_instance.url, headers)
+            # P may have restarted under another engine id (D then refuses the handshake): the
+            # next layerwise request asks P again, or goes the classic way for a P without
+            # /v1/kv_endpoint, whose answer names P as it is now.
+            endpoints.pop(p_instance.url, None)
             raise
         if not body.get("stream"):
             metrics.inc("requests_total", outcome="ok")
