@@ -197,5 +197,13 @@ def test_params_handed_back_unused_name_the_held_request_only_when_p_issued_them
         s.held_by_params({**params, "remote_block_ids": "nope"})
     other = NixlScheduler(ConnectorConfig("P", secret=b"s" * 32, incarnation="inc-3"), tp_size=1, wall_clock=wall)
     assert other.held_by_params(params) is None  # issued before this start
+    # r1's blocks went back; a later request under the same id is not freed by r1's old params
+    s.update_connector_output(WorkerOutput(finished_sending={"r1"}))
+    wall.now += 1.0
+    _, again = s.request_finished(RequestView("r1", list(range(40)), {"do_remote_decode": True}), [[7, 8, 9]],
+                                  aborted=False)
+    assert again is not None
+    assert s.held_by_params(params) is None
+    assert s.held_by_params(again) == "r1"
     wall.now += 31.0
     assert s.held_by_params(params) is None  # the lease is over

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -385,15 +386,17 @@ def test_bodies_over_the_cap_are_413_on_instances_and_the_proxy(pd: tuple[str, F
     assert httpx.get(f"{p_url}/health", timeout=5).status_code == 200
 
 
-def recording_prefill_app(handed_back: list[dict[str, object]]) -> FastAPI:
-    """A prefill instance that answers every completion with params, and records the params
-    a router hands back on `/v1/kv_release`."""
+def recording_prefill_app(handed_back: list[dict[str, object]], answered: threading.Event | None = None) -> FastAPI:
+    """A prefill instance that answers every completion with params (and sets `answered`),
+    and records the params a router hands back on `/v1/kv_release`."""
     app = FastAPI()
     params = {"do_remote_prefill": True, "remote_engine_id": "P", "remote_request_id": "p-1",
               "remote_block_ids": [[1, 2]], "remote_host": "127.0.0.1", "remote_port": 1, "tp_size": 1}
 
     @app.post("/v1/completions")
     async def completions() -> JSONResponse:
+        if answered is not None:
+            answered.set()
         return JSONResponse({"choices": [{"text": "x", "index": 0}], "kv_transfer_params": params})
 
     @app.post("/v1/kv_release")
@@ -408,12 +411,15 @@ def recording_prefill_app(handed_back: list[dict[str, object]]) -> FastAPI:
     return app
 
 
-def slow_refusing_decode_app(delay_s: float) -> FastAPI:
-    """A decode instance that refuses every request (400) after `delay_s`."""
+def slow_refusing_decode_app(delay_s: float, after: threading.Event | None = None) -> FastAPI:
+    """A decode instance that refuses every request (400) after `delay_s`, or as soon as
+    `after` is set."""
     app = FastAPI()
 
     @app.post("/v1/completions")
     async def completions() -> JSONResponse:
+        if after is not None:
+            await asyncio.get_running_loop().run_in_executor(None, after.wait, 10)
         await asyncio.sleep(delay_s)
         return JSONResponse({"error": {"message": "min_tokens too large", "code": "invalid_value"}}, status_code=400)
 
@@ -423,12 +429,13 @@ def slow_refusing_decode_app(delay_s: float) -> FastAPI:
 @pytest.mark.parametrize("d_delay_s", [0.3, 0.0])
 def test_a_layerwise_request_d_refuses_after_p_answered_hands_p_its_params_back(d_delay_s: float) -> None:
     """Layerwise: P and D legs run at once. If P has answered (its blocks held for D's push)
-    when D refuses, or answers just after (its answer on the way: cancelling the call would
-    drop it), the proxy hands P's params back."""
+    when D refuses, or answers just as D refuses (its answer on the way: cancelling the call
+    would drop it), the proxy hands P's params back."""
     handed_back: list[dict[str, object]] = []
+    answered = threading.Event()
     with ExitStack() as stack:
-        p_url = stack.enter_context(serve_in_thread(recording_prefill_app(handed_back)))
-        d_url = stack.enter_context(serve_in_thread(slow_refusing_decode_app(d_delay_s)))
+        p_url = stack.enter_context(serve_in_thread(recording_prefill_app(handed_back, answered)))
+        d_url = stack.enter_context(serve_in_thread(slow_refusing_decode_app(d_delay_s, answered)))
         proxy = stack.enter_context(serve_in_thread(build_proxy_app([p_url], [d_url], timeout_s=30.0, mode="layerwise")))
         response = httpx.post(f"{proxy}/v1/completions", json={"prompt": "hi"}, timeout=10)
         assert response.status_code == 400, response.text
@@ -451,13 +458,14 @@ def answering_decode_app() -> FastAPI:
 
 @pytest.mark.parametrize(("decode", "client_timeout_s", "hands_back"), [
     ("unreachable", 10.0, True),  # D never got the params
-    ("silent", 0.5, True),  # the client leaves while D has not answered
-    ("failing", 10.0, True),  # D answered an error: whatever it did, nobody uses P's KV now
+    ("failing", 10.0, True),  # D answered an error: its load is over
+    ("silent", 0.5, False),  # the client left while D may be reading P's blocks: D's abort tells P
     ("answering", 10.0, False),  # D answered: its load read P's KV and told P
 ])
-def test_params_no_decoder_answered_for_go_back_to_p(decode: str, client_timeout_s: float, hands_back: bool) -> None:
-    """When the decode leg ends without a good answer from D, the proxy hands P's params back
-    (`POST /v1/kv_release`) so P frees the blocks now instead of at the end of its lease."""
+def test_params_d_is_done_with_go_back_to_p(decode: str, client_timeout_s: float, hands_back: bool) -> None:
+    """When the decode leg ends with D unreachable or refusing, the proxy hands P's params
+    back (`POST /v1/kv_release`) so P frees the blocks now instead of at the end of its
+    lease; never while D may still read them."""
     handed_back: list[dict[str, object]] = []
     with ExitStack() as stack:
         p_url = stack.enter_context(serve_in_thread(recording_prefill_app(handed_back)))

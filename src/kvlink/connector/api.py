@@ -150,12 +150,14 @@ class ConnectorScheduler(abc.ABC):
         return False
 
     def held_by_params(self, kv_transfer_params: dict[str, Any]) -> str | None:
-        """P: the request that `kv_transfer_params` handed back unused by a router (the decode
-        leg never reached a decoder) name, once they prove to be this engine's, signed and in
-        their lease: the engine then lets it go (`release_held`). None for params of an
-        earlier start of this engine or past their lease (nothing is held for them). Raises
-        `InvalidTransferParams` for malformed params, `ForbiddenTransferParams` for params this
-        engine did not issue."""
+        """P: a router hands back unused the `kv_transfer_params` of a request (its decoder
+        never got them, or is done with them). Returns the id of the held request they
+        belong to, once they prove to be this engine's, signed, in their lease and the very
+        params of the request held under that id now; the engine then lets it go
+        (`release_held`). None for params of an earlier start, past their lease, or of an
+        earlier request under the same id (nothing is held for them). Raises
+        `InvalidTransferParams` for malformed params, `ForbiddenTransferParams` for params
+        this engine did not issue."""
         return None
 
     @abc.abstractmethod

@@ -64,6 +64,8 @@ class NixlScheduler(ConnectorScheduler):
         self._wall_clock = wall_clock
         self._remote: dict[str, _RemoteRequest] = {}
         self._held: set[str] = set()
+        # what the params of each held request say (`_issued`): params handed back must be these
+        self._issued: dict[str, tuple[Any, ...]] = {}
         self._streams: set[str] = set()  # P: layerwise requests still prefilling
         self._step = StepMetadata()
         self._last_heartbeat = float("-inf")
@@ -203,12 +205,16 @@ class NixlScheduler(ConnectorScheduler):
             return None  # the lease is over: the blocks went back with it
         if self.config.incarnation and params.remote_incarnation != self.config.incarnation:
             return None  # issued by an earlier start of this engine: its blocks are gone
+        if self._issued.get(params.remote_request_id) != _issued(params):
+            return None  # another request's params under the same id (a client reusing ids)
         return params.remote_request_id
 
     def update_connector_output(self, output: WorkerOutput) -> None:
         for rid in output.finished_recving | output.failed_recving:
             self._remote.pop(rid, None)
         self._held -= output.finished_sending
+        for rid in output.finished_sending:
+            self._issued.pop(rid, None)
 
     def request_finished(
         self, request: RequestView, block_ids: Sequence[Sequence[int]], aborted: bool,
@@ -256,6 +262,7 @@ class NixlScheduler(ConnectorScheduler):
             params["remote_incarnation"] = self.config.incarnation
         if self._secret is not None:
             params["kv_signature"] = sign(params, self._secret)
+        self._issued[request.request_id] = _issued(parse_remote_prefill(params))
         return True, params
 
     def streams(self) -> set[str]:
@@ -272,3 +279,9 @@ class NixlScheduler(ConnectorScheduler):
 
     def shutdown(self) -> None:
         self._remote.clear()
+
+
+def _issued(params: RemotePrefillParams) -> tuple[Any, ...]:
+    """What tells one request's params from another's under the same request id."""
+    return (params.kv_signature, params.kv_expires_at_ms, params.prompt_hash,
+            tuple(tuple(ids) for ids in params.remote_block_ids))

@@ -30,16 +30,19 @@ _TYPES = {
 class APIError(Exception):
     """An error to send to the client as it is: HTTP status plus a message saying what to do.
 
-    `param`: the request field at fault; `retry_after_s`: sent as `Retry-After` (503s)."""
+    `param`: the request field at fault; `retry_after_s`: sent as `Retry-After` (503s);
+    `upstream_status`: the status an upstream instance answered, when the error is its answer."""
 
     def __init__(self, status: int, message: str, code: str | None = None, *,
-                 param: str | None = None, retry_after_s: int | None = None) -> None:
+                 param: str | None = None, retry_after_s: int | None = None,
+                 upstream_status: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
         self.param = param
         self.retry_after_s = retry_after_s
+        self.upstream_status = upstream_status
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.code, self.param)

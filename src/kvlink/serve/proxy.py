@@ -13,7 +13,6 @@ the whole split of its time to first token: P prefill, KV move, D's first token.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import math
@@ -177,7 +176,6 @@ def build_proxy_app(
     app = FastAPI(title="kvlink P/D proxy", docs_url=None, redoc_url=None)
     install_error_handlers(app)
     limit_bodies(app)
-    app.router.add_event_handler("shutdown", client.aclose)
 
     async def post_json(side: str, instance: Instance, path: str, body: dict[str, Any],
                         headers: dict[str, str]) -> dict[str, Any]:
@@ -221,6 +219,20 @@ def build_proxy_app(
 
     handing_back: set[asyncio.Task[None]] = set()
 
+    def decode_is_done(error: APIError) -> bool:
+        """Whether a failed decode leg leaves P's KV to nobody: D never got the params (it was
+        unreachable) or answered an error (its load is over). Not after a timeout or a client
+        that left: D may be reading P's blocks still, and its own abort tells P."""
+        return error.code == "decode_unreachable" or error.upstream_status is not None
+
+    async def stop_handing_back() -> None:
+        for task in list(handing_back):
+            task.cancel()
+        await asyncio.gather(*handing_back, return_exceptions=True)
+        await client.aclose()
+
+    app.router.add_event_handler("shutdown", stop_handing_back)
+
     async def hand_back(p_url: str, params: dict[str, Any], headers: dict[str, str]) -> None:
         """Give P back the params of a request no decoder got, so it frees the blocks now
         (not when its lease ends). A P without the endpoint (vLLM) answers 404: its lease
@@ -246,13 +258,16 @@ def build_proxy_app(
         task.add_done_callback(handing_back.discard)
 
     async def settle(p_call: asyncio.Future[dict[str, Any]], p_url: str, headers: dict[str, str]) -> None:
-        """A layerwise request failed on D's side (or its client left) while P's call runs or
-        has just answered. P's answer may be on its way already: cancelling the call then
-        would drop it, and P, its answer sent, would hold the blocks for a push nobody asks
-        for until its lease ends. So P gets a moment to answer (its params are handed back)
-        before its call is cancelled (the closed connection aborts P's request, and P frees)."""
-        with contextlib.suppress(BaseException):
+        """A layerwise request D is done with (D refused it, or was unreachable) while P's call
+        runs or has just answered. P's answer may be on its way already: cancelling the call
+        then would drop it, and P, its answer sent, would hold the blocks for a push nobody
+        asks for until its lease ends. So P gets a moment to answer (its params are handed
+        back) before its call is cancelled (the closed connection aborts P's request)."""
+        try:
             await asyncio.wait({p_call}, timeout=LAYERWISE_P_GRACE_S)
+        except asyncio.CancelledError:  # the proxy is stopping
+            p_call.cancel()
+            raise
         if not p_call.done():
             p_call.cancel()
         elif not p_call.cancelled() and p_call.exception() is None:
@@ -339,7 +354,8 @@ def build_proxy_app(
             logger.info("prefill instance %s has no /v1/kv_endpoint (HTTP %d): its next request goes the "
                         "classic way, and its params tell where later layerwise requests go",
                         instance.url, response.status_code)
-            no_endpoint.add(instance.url)
+            if response.status_code == 404:  # not one of ours (vLLM); a P starting up is asked again
+                no_endpoint.add(instance.url)
             return None
         endpoints[instance.url] = dict(response.json())
         return endpoints[instance.url]
@@ -400,13 +416,16 @@ def build_proxy_app(
                 d_call.cancel()  # D would only wait for KV that will not come
                 raise p_call.exception()  # type: ignore[misc]
             response = await d_call
-        except BaseException:
+        except BaseException as error:
             d_call.cancel()
-            settle_later(p_call, p_instance.url, headers)
-            # P may have restarted under another engine id (D then refuses the handshake): the
-            # next layerwise request asks P again, or goes the classic way for a P without
-            # /v1/kv_endpoint, whose answer names P as it is now.
-            endpoints.pop(p_instance.url, None)
+            if isinstance(error, APIError) and decode_is_done(error):
+                settle_later(p_call, p_instance.url, headers)
+                # P may have restarted under another engine id (D then refuses the handshake):
+                # the next layerwise request asks P again, or goes the classic way for a P
+                # without /v1/kv_endpoint, whose answer names P as it is now.
+                endpoints.pop(p_instance.url, None)
+            else:  # D may be taking P's WRITEs: only its own cancel may end them
+                p_call.cancel()
             raise
         if not body.get("stream"):
             metrics.inc("requests_total", outcome="ok")
@@ -457,12 +476,9 @@ def build_proxy_app(
                     decode_url = instance.url
                     answer = await unless_disconnected(
                         raw, post_json("decode", instance, path, decode_request, headers))
-            except APIError:
-                # No answer from D will use P's KV. D may never have got the params (unreachable,
-                # or the client left first), and then nobody frees P's blocks before the lease
-                # ends. Had D got them, it is done with them (it answered an error) or stops
-                # with the connection: P freeing early costs nobody anything.
-                hand_back_later(p_url, params, headers)
+            except APIError as error:
+                if decode_is_done(error):
+                    hand_back_later(p_url, params, headers)
                 raise
             metrics.observe("decode_seconds", time.monotonic() - sent)
         except APIError as error:

@@ -114,11 +114,17 @@ def _retry_after(response: httpx.Response) -> int:
 
 
 def status_error(side: str, url: str, response: httpx.Response) -> APIError:
-    """What the proxy answers for an upstream's error status.
+    """What the proxy answers for an upstream's error status (kept in `upstream_status`).
 
     4xx keeps its status and code (the client's request is at fault); 503 and 504 keep
     theirs (an instance busy or dead, a deadline), with the upstream's Retry-After; 502
     keeps its code (e.g. D's `kv_load_failed`); any other 5xx becomes 502."""
+    error = _status_error(side, url, response)
+    error.upstream_status = response.status_code
+    return error
+
+
+def _status_error(side: str, url: str, response: httpx.Response) -> APIError:
     status, message = response.status_code, upstream_message(response)
     code, param = _error_field(response, "code"), _error_field(response, "param")
     if side == "decode" and code in _PARAMS_FROM_P:
