@@ -63,9 +63,9 @@ class NixlScheduler(ConnectorScheduler):
         self._notify_until = float("-inf")  # has_pending_work while workers deliver notify-only entries
         self._wall_clock = wall_clock
         self._remote: dict[str, _RemoteRequest] = {}
-        self._held: set[str] = set()
-        # what the params of each held request say (`_issued`): params handed back must be these
-        self._issued: dict[str, tuple[Any, ...]] = {}
+        # P: requests whose blocks wait for a decoder, with what their params say (`_issued`):
+        # params handed back must be these
+        self._held: dict[str, tuple[Any, ...]] = {}
         self._streams: set[str] = set()  # P: layerwise requests still prefilling
         self._step = StepMetadata()
         self._last_heartbeat = float("-inf")
@@ -205,16 +205,16 @@ class NixlScheduler(ConnectorScheduler):
             return None  # the lease is over: the blocks went back with it
         if self.config.incarnation and params.remote_incarnation != self.config.incarnation:
             return None  # issued by an earlier start of this engine: its blocks are gone
-        if self._issued.get(params.remote_request_id) != _issued(params):
+        if self._held.get(params.remote_request_id) != _issued(params.kv_signature, params.kv_expires_at_ms,
+                                                               params.prompt_hash, params.remote_block_ids):
             return None  # another request's params under the same id (a client reusing ids)
         return params.remote_request_id
 
     def update_connector_output(self, output: WorkerOutput) -> None:
         for rid in output.finished_recving | output.failed_recving:
             self._remote.pop(rid, None)
-        self._held -= output.finished_sending
         for rid in output.finished_sending:
-            self._issued.pop(rid, None)
+            self._held.pop(rid, None)
 
     def request_finished(
         self, request: RequestView, block_ids: Sequence[Sequence[int]], aborted: bool,
@@ -235,7 +235,6 @@ class NixlScheduler(ConnectorScheduler):
             return False, None
         if aborted or not any(block_ids):
             return False, None
-        self._held.add(request.request_id)
         save: dict[str, Any] = {"request_id": request.request_id, "block_ids": [list(ids) for ids in block_ids]}
         if self.config.verify_kv != "off":  # P seals the tokens it ships
             save["num_tokens"] = max(0, len(request.prompt_token_ids) - 1)
@@ -262,7 +261,8 @@ class NixlScheduler(ConnectorScheduler):
             params["remote_incarnation"] = self.config.incarnation
         if self._secret is not None:
             params["kv_signature"] = sign(params, self._secret)
-        self._issued[request.request_id] = _issued(parse_remote_prefill(params))
+        self._held[request.request_id] = _issued(params.get("kv_signature"), params["kv_expires_at_ms"],
+                                                 params["prompt_hash"], params["remote_block_ids"])
         return True, params
 
     def streams(self) -> set[str]:
@@ -281,7 +281,7 @@ class NixlScheduler(ConnectorScheduler):
         self._remote.clear()
 
 
-def _issued(params: RemotePrefillParams) -> tuple[Any, ...]:
+def _issued(signature: str | None, expires_at_ms: int | None, prompt: str | None,
+            block_ids: Sequence[Sequence[int]]) -> tuple[Any, ...]:
     """What tells one request's params from another's under the same request id."""
-    return (params.kv_signature, params.kv_expires_at_ms, params.prompt_hash,
-            tuple(tuple(ids) for ids in params.remote_block_ids))
+    return signature, expires_at_ms, prompt, tuple(tuple(ids) for ids in block_ids)

@@ -89,8 +89,7 @@ class LLMEngine:
                 f"request {request_id!r}: {len(prompt_token_ids)} prompt tokens + max_tokens "
                 f"{params.max_tokens} exceed max_model_len {self.max_model_len}; shorten one of them"
             )
-        if self.connector is None and kv_transfer_params and kv_transfer_params.get("do_remote_decode") is not False \
-                and "do_remote_decode" in kv_transfer_params:
+        if self.connector is None and kv_transfer_params and kv_transfer_params.get("do_remote_decode", False) is not False:
             # Colocated: nothing would keep this request's KV for a decoder; answering it would
             # give an empty completion and no params, which a router passes on as if it were P's.
             raise ValueError(
@@ -115,12 +114,14 @@ class LLMEngine:
         self._finish(request, "abort", aborted=True)
         return True
 
-    def release_held(self, request_id: str) -> bool:
+    def release_held(self, request_id: str,
+                     why: str = "its caller left before taking its KV params") -> bool:
         """P: free now the blocks a finished request holds for a remote decoder that will never
-        come (its caller left before taking the params). False when none are held for it."""
+        come (`why`: by default, its caller left before taking the params). False when none
+        are held for it."""
         if request_id not in self.held or self.connector is None or not self.connector.release_held(request_id):
             return False
-        logger.info("request %s: its caller left before taking its KV params; freeing its blocks", request_id)
+        logger.info("request %s: %s; freeing its blocks", request_id, why)
         return True
 
     def release_by_params(self, kv_transfer_params: dict[str, Any]) -> bool:
@@ -131,10 +132,7 @@ class LLMEngine:
         if self.connector is None:
             raise ValueError("this engine has no KV connector: it holds no KV for decoders")
         request_id = self.connector.held_by_params(kv_transfer_params)
-        if request_id is None or request_id not in self.held or not self.connector.release_held(request_id):
-            return False
-        logger.info("request %s: a router handed its KV params back unused; freeing its blocks", request_id)
-        return True
+        return request_id is not None and self.release_held(request_id, "a router handed its KV params back unused")
 
     def step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()

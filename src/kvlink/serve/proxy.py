@@ -18,7 +18,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from typing import Annotated, Any
 
 import anyio
@@ -252,8 +252,9 @@ def build_proxy_app(
         metrics.inc("params_handed_back_total", outcome=outcome)
         logger.info("request %s: KV params handed back to %s unused: %s", headers.get("X-Request-Id"), p_url, outcome)
 
-    def hand_back_later(p_url: str, params: dict[str, Any], headers: dict[str, str]) -> None:
-        task = asyncio.get_running_loop().create_task(hand_back(p_url, params, headers))
+    def in_background(work: Coroutine[Any, Any, None]) -> None:
+        """Run `work` after the answer went out; the proxy cancels what is left when it stops."""
+        task = asyncio.get_running_loop().create_task(work)
         handing_back.add(task)
         task.add_done_callback(handing_back.discard)
 
@@ -273,13 +274,7 @@ def build_proxy_app(
         elif not p_call.cancelled() and p_call.exception() is None:
             params = p_call.result().get("kv_transfer_params")
             if isinstance(params, dict):
-                learn_endpoint(p_url, params)
                 await hand_back(p_url, params, headers)
-
-    def settle_later(p_call: asyncio.Future[dict[str, Any]], p_url: str, headers: dict[str, str]) -> None:
-        task = asyncio.get_running_loop().create_task(settle(p_call, p_url, headers))
-        handing_back.add(task)
-        task.add_done_callback(handing_back.discard)
 
     async def stream_decode(path: str, body: dict[str, Any], headers: dict[str, str],
                             started: float, prefill_s: float) -> Response:
@@ -419,7 +414,7 @@ def build_proxy_app(
         except BaseException as error:
             d_call.cancel()
             if isinstance(error, APIError) and decode_is_done(error):
-                settle_later(p_call, p_instance.url, headers)
+                in_background(settle(p_call, p_instance.url, headers))
                 # P may have restarted under another engine id (D then refuses the handshake):
                 # the next layerwise request asks P again, or goes the classic way for a P
                 # without /v1/kv_endpoint, whose answer names P as it is now.
@@ -478,7 +473,7 @@ def build_proxy_app(
                         raw, post_json("decode", instance, path, decode_request, headers))
             except APIError as error:
                 if decode_is_done(error):
-                    hand_back_later(p_url, params, headers)
+                    in_background(hand_back(p_url, params, headers))
                 raise
             metrics.observe("decode_seconds", time.monotonic() - sent)
         except APIError as error:
