@@ -530,3 +530,30 @@ def test_a_layerwise_proxy_follows_a_restarted_p_after_one_failed_request() -> N
         state["engine"] = "P-2"  # P restarted
         assert status() == 502  # D refused the old engine id
         assert [status() for _ in range(3)] == [200, 200, 200]
+
+
+def test_a_prefill_instance_whose_endpoint_was_unavailable_is_asked_again() -> None:
+    """Only a 404 from `/v1/kv_endpoint` (a P without one, e.g. vLLM) is remembered; a P that
+    answered 503 (starting up) is asked again on the next layerwise request (its classic
+    answer here names no side channel to learn from)."""
+    asked: list[int] = []
+    app = FastAPI()
+
+    @app.get("/v1/kv_endpoint")
+    async def endpoint() -> JSONResponse:
+        asked.append(1)
+        if len(asked) == 1:
+            return JSONResponse({"error": {"message": "starting"}}, status_code=503)
+        return JSONResponse({"remote_engine_id": "P", "remote_host": "127.0.0.1", "remote_port": 1, "tp_size": 1})
+
+    @app.post("/v1/completions")
+    async def completions() -> JSONResponse:
+        return JSONResponse({"choices": [{"text": "x", "index": 0}], "kv_transfer_params": {"do_remote_prefill": True}})
+
+    with ExitStack() as stack:
+        p_url = stack.enter_context(serve_in_thread(app))
+        d_url = stack.enter_context(serve_in_thread(answering_decode_app()))
+        proxy = stack.enter_context(serve_in_thread(build_proxy_app([p_url], [d_url], timeout_s=30.0, mode="layerwise")))
+        for _ in range(2):
+            assert httpx.post(f"{proxy}/v1/completions", json={"prompt": "hi"}, timeout=10).status_code == 200
+    assert len(asked) == 2
