@@ -145,7 +145,10 @@ def check(outcomes: list[Outcome], ends: dict[int, float], reference: dict[int, 
     if events.kill_t is not None:
         out = events.out_t if events.out_t is not None else events.kill_t + 30.0
         window = (events.kill_t, out + interval_s + 1.0)
-    wrong, not_prefix, allowed, unexpected = [], [], [], []
+    wrong: list[dict[str, Any]] = []
+    not_prefix: list[dict[str, Any]] = []
+    allowed: list[dict[str, Any]] = []
+    unexpected: list[dict[str, Any]] = []
     for o in outcomes:
         if o.kind in ("ok", "cancelled_late"):
             if o.text != reference[o.index]:

@@ -56,7 +56,7 @@ def kv_setup(case: Case, ports: CasePorts, secret: str, config: VllmBenchConfig
         return (cfg, {**host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(ports.side_prefill)},
                 cfg, {**host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(ports.side_decode)})
     env = {"KVLINK_SECRET": secret}
-    extra = {"verify_kv": verify_kv} if verify_kv is not None else {}
+    extra: dict[str, Any] = {"verify_kv": verify_kv} if verify_kv is not None else {}
     return (kvlink_transfer_config(ports.side_prefill, **extra), env,
             kvlink_transfer_config(ports.side_decode, **extra), env)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -61,9 +62,9 @@ def measure(tokens_list: list[int], repeat: int) -> dict[str, Any]:
         d_ids = [rng.permutation(num_blocks)[:blocks].tolist()]
         (spec,) = plan.request_ids(d_ids, p_ids, tokens - 1)
         descriptors = int(spec.local_idx.size)
-        request_ms = _median_ms(lambda d=d_ids, p=p_ids, t=tokens: plan.request_ids(d, p, t - 1), repeat)
+        request_ms = _median_ms(functools.partial(plan.request_ids, d_ids, p_ids, tokens - 1), repeat)
         ids_array = np.asarray(d_ids[0], dtype=np.int64)
-        ids_ms = _median_ms(lambda a=ids_array: desc_ids_attention(a, len(d_worker.regions), num_blocks),
+        ids_ms = _median_ms(functools.partial(desc_ids_attention, ids_array, len(d_worker.regions), num_blocks),
                             repeat)
         rows.append({
             "tokens": tokens, "descriptors_per_side": descriptors,

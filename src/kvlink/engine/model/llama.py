@@ -216,7 +216,8 @@ class LlamaModel(torch.nn.Module):
             self._check_request(count, start, table, kv_caches[0])
         batch = PagedBatch.build(num_new, start_positions, kernel_block_tables, kernel_block_size)
         x = self.embedding[torch.cat(list(input_ids))]
-        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+        layers: list[LlamaLayer] = list(self.layers)  # type: ignore[arg-type]
+        for index, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
             x = x + self._reduce(layer.attention(x, batch, self.rope, kv_cache))
             if on_layer is not None:  # this layer's K/V are in the pages: they may leave now
                 on_layer(index)

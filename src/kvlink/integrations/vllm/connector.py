@@ -126,7 +126,7 @@ def _kv_groups(kv_cache_config: KVCacheConfig | None) -> list[GroupInfo]:
     out = []
     kinds = [type(g.kv_cache_spec).__name__ for g in kv_cache_config.kv_cache_groups]
     for group in kv_cache_config.kv_cache_groups:
-        spec = group.kv_cache_spec
+        spec: Any = group.kv_cache_spec  # its kind's own fields are read by name below
         kind = type(spec).__name__
         if kind == "MLAAttentionSpec":
             out.append(mla_group(spec, tuple(group.layer_names), _dtype_name(spec.dtype)))
@@ -162,7 +162,9 @@ def _kv_groups(kv_cache_config: KVCacheConfig | None) -> list[GroupInfo]:
 class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
-        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        # Typed optional here (a None is refused with a clear error where the groups are read); the
+        # base class only stores it.
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)  # type: ignore[arg-type]
         _route_kvlink_logs()
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None

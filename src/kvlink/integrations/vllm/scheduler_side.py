@@ -105,7 +105,7 @@ class SchedulerSide:
             if tracked is not None:
                 tracked.block_ids = [list(ids) for ids in new.block_ids]
                 seen.append((new.req_id, int(new.num_computed_tokens)))
-        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+        cached: Any = getattr(scheduler_output, "scheduled_cached_reqs", None)
         for i, rid in enumerate(getattr(cached, "req_ids", ()) or ()):
             tracked = self._prefills.get(rid)
             if tracked is None:
@@ -167,7 +167,7 @@ class SchedulerSide:
             if new.req_id in streams:
                 self._stream_blocks[new.req_id] = [list(ids) for ids in new.block_ids]
                 out.append((new.req_id, int(new.num_computed_tokens)))
-        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+        cached: Any = getattr(scheduler_output, "scheduled_cached_reqs", None)
         for i, rid in enumerate(getattr(cached, "req_ids", ()) or ()):
             blocks = self._stream_blocks.get(rid)
             if rid not in streams or blocks is None:

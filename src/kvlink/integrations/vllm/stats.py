@@ -87,11 +87,11 @@ def from_worker_snapshot(snapshot: dict[str, Any], sent: Forwarded) -> dict[str,
     for name, engine, count in snapshot.get("engine_counters", []):
         if name not in ENGINE_COUNTERS:
             continue
-        key = (str(name), str(engine))
-        delta = int(count) - sent.engine_counters.get(key, 0)
-        sent.engine_counters[key] = int(count)
+        engine_key = (str(name), str(engine))
+        delta = int(count) - sent.engine_counters.get(engine_key, 0)
+        sent.engine_counters[engine_key] = int(count)
         if delta > 0:
-            data["engine_counters"].append([key[0], key[1], delta])
+            data["engine_counters"].append([engine_key[0], engine_key[1], delta])
     levels = {key: float(snapshot.get("gauges", {}).get(key, 0.0)) for key in GAUGES}
     if levels != sent.gauges or any(levels.values()):
         data["gauges"] = levels
@@ -164,9 +164,13 @@ class KvlinkPromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        # vLLM types these as a union of prometheus classes; each is used as the one it is.
+        histogram_cls: Any = self._histogram_cls
+        counter_cls: Any = self._counter_cls
+        gauge_cls: Any = self._gauge_cls
 
         def histogram(name: str, doc: str, buckets: list[float]) -> dict[int, Any]:
-            metric = self._histogram_cls(name=name, documentation=doc, buckets=buckets, labelnames=labelnames)
+            metric = histogram_cls(name=name, documentation=doc, buckets=buckets, labelnames=labelnames)
             return create_metric_per_engine(metric, per_engine_labelvalues)
 
         self.xfer = histogram("vllm:kvlink_xfer_time_seconds", "kvlink KV transfer time per request load.",
@@ -178,20 +182,20 @@ class KvlinkPromMetrics(KVConnectorPromMetrics):
                                [float(2 ** (10 + i)) for i in range(1, 25, 2)])
         self.descs = histogram("vllm:kvlink_num_descriptors", "kvlink NIXL descriptors per request load.",
                                [10.0, 100.0, 1000.0, 10000.0, 100000.0, 1000000.0])
-        self.counters = {
+        self.counters: dict[str, dict[int, Any]] = {
             key: create_metric_per_engine(
-                self._counter_cls(name=f"vllm:kvlink_{key}", documentation=doc, labelnames=labelnames),
+                counter_cls(name=f"vllm:kvlink_{key}", documentation=doc, labelnames=labelnames),
                 per_engine_labelvalues)
             for key, doc in COUNTERS.items()
         }
-        self.gauges = {
+        self.gauges: dict[str, dict[int, Any]] = {
             key: create_metric_per_engine(
-                self._gauge_cls(name=f"vllm:kvlink_{key}", documentation=doc, multiprocess_mode="mostrecent",
+                gauge_cls(name=f"vllm:kvlink_{key}", documentation=doc, multiprocess_mode="mostrecent",
                                 labelnames=labelnames), per_engine_labelvalues)
             for key, doc in GAUGES.items()
         }
         self.engine_counters = {
-            key: self._counter_cls(name=f"vllm:kvlink_{key}", documentation=doc,
+            key: counter_cls(name=f"vllm:kvlink_{key}", documentation=doc,
                                    labelnames=[*labelnames, "remote_engine"])
             for key, doc in ENGINE_COUNTERS.items()
         }
