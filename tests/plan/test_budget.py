@@ -67,6 +67,8 @@ def test_request_longer_than_its_block_lists_is_refused_before_allocating() -> N
     tracemalloc.start()
     try:
         with pytest.raises(ValueError, match="local block list of group 0 has 8 blocks but tokens"):
+            plan.request_ids(ids, ids, 2**24)
+        with pytest.raises(ValueError, match=r"num_tokens_to_ship: expected an integer in \[0, 16777216\]"):
             plan.request_ids(ids, ids, 10**12)
         _, peak = tracemalloc.get_traced_memory()
     finally:

@@ -284,7 +284,8 @@ def test_layerwise_range_must_sit_on_chunks() -> None:
     (tail,) = plan.request_ids(ids, p_ids, 100, tokens=(96, 100), layers=[1])
     (whole,) = plan.request_ids(ids, p_ids, 100)
     assert tail.nbytes * 14 == whole.nbytes  # one chunk of 16 tokens of one layer, of 7 x 2
-    assert not len(plan.request_ids(ids, p_ids, 100, tokens=(96, 100), layers=[5])[0].local_idx)
+    with pytest.raises(ValueError, match=r"layers: expected an integer in \[0, 1\], got 5"):
+        plan.request_ids(ids, p_ids, 100, tokens=(96, 100), layers=[5])  # the model has 2 layers
 
 
 def test_refused_tp_names_the_part() -> None:

@@ -225,7 +225,11 @@ class NixlWorker(ConnectorWorker):
     def _run(self, kind: str, entry: dict[str, Any]) -> bool:
         """Run one waiting entry; False while it must wait (its engine not ready, no slots)."""
         assert self.pull is not None and self.geometry is not None
-        engine = self.directory.lookup(entry, self.geometry)
+        try:
+            engine = self.directory.lookup(entry, self.geometry)
+        except ValueError as exc:  # the params name a P whose TP size cannot hold this model
+            self._give_up(kind, entry, f"kvlink cannot read from this prefill engine: {exc}", True)
+            return True
         if engine is None:
             return False
         engine.last_used = self.clock()

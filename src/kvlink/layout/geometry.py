@@ -7,6 +7,7 @@ the peer, which rebuilds the same object and plans against it.
 from __future__ import annotations
 
 import itertools
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -245,6 +246,10 @@ def build_worker_geometry(
     check_model_page_order(model, kernel_block_size, page_order)
     if len(base_addrs) != model.num_layers:
         raise ValueError(f"expected {model.num_layers} base addresses (one per layer), got {len(base_addrs)}")
+    bad = [(i, b) for i, b in enumerate(base_addrs) if isinstance(b, bool) or not isinstance(b, numbers.Integral)]
+    if bad:
+        raise ValueError(f"base address of layer {bad[0][0]} must be an integer, got "
+                         f"{type(bad[0][1]).__name__} {bad[0][1]!r}"[:200])
     specs = kv_tensor_specs(model, tp_size, block_size, kernel_block_size, num_blocks)
     if ssm_page_stride is not None:
         check("ssm_page_stride", ssm_page_stride, int_range(1, 2**40))

@@ -186,6 +186,7 @@ def _check_ssm_dims(group: Mamba2 | GDN) -> None:
 
 
 GroupSpec = FullAttention | SlidingWindow | MLA | Mamba2 | GDN
+GROUP_TYPES = (FullAttention, SlidingWindow, MLA, Mamba2, GDN)
 SSM_KINDS = ("mamba2", "gdn")
 _GROUP_TYPES: dict[str, type] = {
     "full": FullAttention,
@@ -222,8 +223,25 @@ class ModelSpec:
     def __post_init__(self) -> None:
         check("num_kv_heads", self.num_kv_heads, MODEL_DIM)
         check("head_dim", self.head_dim, MODEL_DIM)
+        # Lists are taken as tuples (the spec is hashed: plans are cached per model).
+        for name in ("groups", "layer_groups", "kv_scales"):
+            value = getattr(self, name)
+            if not isinstance(value, (tuple, list)):
+                raise ValueError(f"{name} must be a tuple, got {type(value).__name__} {value!r}"[:300])
+            object.__setattr__(self, name, tuple(value))
+        if not self.groups:
+            raise ValueError("groups must name at least one group")
+        bad_groups = [g for g in self.groups if not isinstance(g, GROUP_TYPES)]
+        if bad_groups:
+            raise ValueError(f"groups must be group specs ({', '.join(t.__name__ for t in GROUP_TYPES)}), "
+                             f"got {bad_groups[:3]!r}"[:300])
         check("number of layers", len(self.layer_groups), MODEL_DIM)
-        if self.dtype not in DTYPE_BYTES:
+        for i, g in enumerate(self.layer_groups):
+            check(f"layer_groups[{i}]", g, int_range(0, len(self.groups) - 1))
+        object.__setattr__(self, "layer_groups", tuple(int(g) for g in self.layer_groups))
+        object.__setattr__(self, "kv_scales", tuple(
+            tuple(pair) if isinstance(pair, (tuple, list)) else pair for pair in self.kv_scales))
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype {self.dtype!r} not supported; expected one of {sorted(DTYPE_BYTES)}")
         bad = [g for g in self.layer_groups if not 0 <= g < len(self.groups)]
         if bad:
@@ -235,7 +253,7 @@ class ModelSpec:
             if len(self.kv_scales) != len(self.layer_groups):
                 raise ValueError(f"kv_scales has {len(self.kv_scales)} (k, v) pairs for {len(self.layer_groups)} layers")
             bad_scales = [pair for pair in self.kv_scales
-                          if len(pair) != 2 or not all(_positive_float(x) for x in pair)]
+                          if not isinstance(pair, tuple) or len(pair) != 2 or not all(_positive_float(x) for x in pair)]
             if bad_scales:
                 raise ValueError(f"kv_scales must be (k, v) pairs of finite positive floats, got {bad_scales[:3]}")
 

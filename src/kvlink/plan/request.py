@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvlink.layout.limits import MAX_TOKENS, TOKENS_OR_ZERO, check, int_range
 from kvlink.layout.spec import SlidingWindow, is_ssm
 from kvlink.plan.descriptors import IntArray, concat_descriptor_ids
 from kvlink.plan.plan_types import AttentionSegment, PreparedPlan, SourcePlan
@@ -55,6 +56,37 @@ def first_token_to_ship(plan: PreparedPlan, group_index: int, num_tokens: int, c
         window_start = max(0, num_tokens - group.window) // plan.chunk_tokens * plan.chunk_tokens
         return max(computed, window_start)
     return computed
+
+
+def _block_ids(ids: Sequence[int] | IntArray, side: str, group: int) -> IntArray:
+    """One group's block ids as a flat int64 array; ValueError for anything but integers
+    (bools, floats, strings, nested lists, values beyond int64)."""
+    if isinstance(ids, np.ndarray) and ids.dtype == np.int64 and ids.ndim == 1:
+        return ids
+    what = f"{side} block ids of group {group}"
+    if not isinstance(ids, np.ndarray):
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+            raise ValueError(f"{what} must be a sequence of integers, got {type(ids).__name__}")
+        if bool in set(map(type, ids)):
+            raise ValueError(f"{what} must be integers, got a bool")
+    try:
+        array = np.asarray(ids)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ValueError(f"{what} must be a flat sequence of integers: {exc}") from None
+    if array.size == 0:
+        return _EMPTY
+    if array.ndim != 1 or array.dtype.kind not in "iu":
+        raise ValueError(f"{what} must be a flat sequence of integers (int64), got {array.dtype} "
+                         f"values of shape {array.shape}")
+    if array.dtype.kind == "u" and int(array.max()) > np.iinfo(np.int64).max:
+        raise ValueError(f"{what} must lie in int64, got {int(array.max())}")
+    return array.astype(np.int64, copy=False)
+
+
+def _check_distinct(ids: IntArray, side: str, group: int) -> None:
+    """The blocks one request writes are distinct (two chunks never land in one block by accident)."""
+    if ids.size > 1 and np.unique(ids).size != ids.size:
+        raise ValueError(f"{side} block ids of group {group} repeat a block: {ids.tolist()[:16]}")
 
 
 def _check_range(ids: IntArray, num_blocks: int, side: str, group: int) -> None:
@@ -139,15 +171,16 @@ def request_ids(
     if len(local_block_ids) != num_groups or len(remote_block_ids) != num_groups:
         raise ValueError(f"expected block ids for {num_groups} groups, got {len(local_block_ids)} "
                          f"local and {len(remote_block_ids)} remote")
-    if local_computed_tokens < 0 or local_computed_tokens % plan.local.block_size:
+    check("local_computed_tokens", local_computed_tokens, TOKENS_OR_ZERO)
+    if local_computed_tokens % plan.local.block_size:
         raise ValueError(f"local_computed_tokens {local_computed_tokens} must be a non-negative "
                          f"multiple of the local block size {plan.local.block_size}")
-    if num_tokens_to_ship < 0:
-        raise ValueError(f"num_tokens_to_ship must be non-negative, got {num_tokens_to_ship}")
+    check("num_tokens_to_ship", num_tokens_to_ship, TOKENS_OR_ZERO)
+    num_tokens_to_ship, local_computed_tokens = int(num_tokens_to_ship), int(local_computed_tokens)
     lo, hi, with_state = _token_window(plan, num_tokens_to_ship, tokens)
-    keep = None if layers is None else np.asarray(sorted(set(layers)), dtype=np.int64)
-    local_ids = [np.asarray(ids, dtype=np.int64) for ids in local_block_ids]
-    remote_ids = [np.asarray(ids, dtype=np.int64) for ids in remote_block_ids]
+    keep = None if layers is None else _layers(layers, model.num_layers)
+    local_ids = [_block_ids(ids, "local", g) for g, ids in enumerate(local_block_ids)]
+    remote_ids = [_block_ids(ids, "remote", g) for g, ids in enumerate(remote_block_ids)]
     positions: dict[int, _ChunkPositions] = {}
     state_blocks: dict[int, tuple[int, int]] = {}
     for g, group in enumerate(model.groups):
@@ -160,6 +193,8 @@ def request_ids(
         if start < end:
             positions[g] = _chunk_positions(plan, g, local_ids[g], remote_ids[g], start,
                                             end, local_computed_tokens)
+            if not isinstance(group, SlidingWindow):  # vLLM may list its null block more than once there
+                _check_distinct(positions[g].touched, "local", g)
     return [_source_read(source, positions, state_blocks, num_groups, keep) for source in plan.sources]
 
 
@@ -167,7 +202,9 @@ def _token_window(plan: PreparedPlan, num_tokens: int, tokens: tuple[int, int] |
     """(start, end, with SSM state) of a part of the request; the whole request when None."""
     if tokens is None:
         return 0, num_tokens, True
-    start, end = tokens
+    if not isinstance(tokens, (tuple, list)) or len(tokens) != 2:
+        raise ValueError(f"tokens must be a (start, end) pair, got {tokens!r}"[:200])
+    start, end = (int(check(f"tokens[{i}]", t, int_range(0, MAX_TOKENS))) for i, t in enumerate(tokens))
     c = plan.chunk_tokens
     if not 0 <= start <= end <= num_tokens:
         raise ValueError(f"token range [{start}, {end}) must lie in [0, {num_tokens}]")
@@ -175,6 +212,14 @@ def _token_window(plan: PreparedPlan, num_tokens: int, tokens: tuple[int, int] |
         raise ValueError(f"token range [{start}, {end}) must start and end on chunks of {c} tokens "
                          f"(or end at {num_tokens})")
     return start, end, start < end == num_tokens  # the state goes once: with the part that ends the prompt
+
+
+def _layers(layers: Sequence[int], num_layers: int) -> IntArray:
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, (Sequence, np.ndarray)):
+        raise ValueError(f"layers must be a sequence of layer indices, got {type(layers).__name__}")
+    for layer in layers:
+        check("layers", layer, int_range(0, num_layers - 1))
+    return np.asarray(sorted({int(layer) for layer in layers}), dtype=np.int64)
 
 
 def _state_blocks(plan: PreparedPlan, g: int, local_ids: IntArray, remote_ids: IntArray) -> tuple[int, int]:

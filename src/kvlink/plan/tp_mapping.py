@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 
+from kvlink.layout.limits import TP, check, int_range
 from kvlink.layout.spec import GDN, MLA, Mamba2, ModelSpec, ShardedPart
 
 
@@ -139,10 +140,34 @@ def _notify_only(model: ModelSpec, local_tp: int, local_rank: int, remote_tp: in
     )
 
 
+def _check_tp_shards(model: ModelSpec, tp_size: int, side: str) -> None:
+    """ValueError unless a `tp_size` engine can hold `model` (every part splits over it)."""
+    check(f"{side} TP size", tp_size, TP)
+    _check_parts_split(model, int(tp_size), side)
+
+
+@cache
+def _check_parts_split(model: ModelSpec, tp_size: int, side: str) -> None:
+    for part in model_parts(model).values():
+        try:
+            part.units_on_rank(tp_size)
+        except ValueError as exc:
+            raise ValueError(f"{side} TP size {tp_size}: {exc}") from None
+
+
+def check_tp_pair(model: ModelSpec, local_tp: int, remote_tp: int) -> None:
+    """ValueError naming the side whose TP size is out of range or does not shard the model."""
+    _check_tp_shards(model, local_tp, "local")
+    _check_tp_shards(model, remote_tp, "remote")
+
+
 def compute_tp_mapping(model: ModelSpec, local_tp: int, local_rank: int, remote_tp: int) -> TPMapping:
-    """The mapping for reader `local_rank` of a `local_tp` engine against a `remote_tp` engine."""
-    if not 0 <= local_rank < local_tp or remote_tp <= 0:
-        raise ValueError(f"bad ranks: local rank {local_rank} of TP {local_tp}, remote TP {remote_tp}")
+    """The mapping for reader `local_rank` of a `local_tp` engine against a `remote_tp` engine.
+
+    ValueError when either TP size is out of range or does not shard the model's heads
+    (and conv groups), or the rank is not one of the local engine's."""
+    check_tp_pair(model, local_tp, remote_tp)
+    check("local rank", local_rank, int_range(0, local_tp - 1))
     runs = dict(_reader_runs(model, local_tp, local_rank, remote_tp))
     return TPMapping(local_tp, local_rank, remote_tp, runs,
                      _notify_only(model, local_tp, local_rank, remote_tp))
@@ -150,7 +175,9 @@ def compute_tp_mapping(model: ModelSpec, local_tp: int, local_rank: int, remote_
 
 def consumers_per_producer(model: ModelSpec, producer_tp: int, consumer_tp: int) -> tuple[int, ...]:
     """Notifications each producer (P) rank waits for per request: one per consumer rank that
-    reads from it or is assigned to notify it. Every entry is at least 1."""
+    reads from it or is assigned to notify it. Every entry is at least 1. ValueError for TP
+    sizes that `compute_tp_mapping` refuses."""
+    check_tp_pair(model, consumer_tp, producer_tp)
     counts = [0] * producer_tp
     for rank in range(consumer_tp):
         for p in compute_tp_mapping(model, consumer_tp, rank, producer_tp).notify_ranks:
