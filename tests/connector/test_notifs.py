@@ -9,6 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvlink.connector.notifs import (
+    MAX_HEARTBEAT_IDS,
+    MAX_NOTIF_BYTES,
     BadNotification,
     Cancel,
     Cancelled,
@@ -18,6 +20,7 @@ from kvlink.connector.notifs import (
     PushRequest,
     decode,
     encode,
+    encode_heartbeats,
 )
 
 ids = st.text(min_size=1, max_size=40)
@@ -79,3 +82,28 @@ def test_garbage_is_refused(raw: bytes) -> None:
 def test_random_bytes_never_crash(raw: bytes) -> None:
     with contextlib.suppress(BadNotification):
         decode(raw)
+
+
+@pytest.mark.parametrize("secret", [None, b"s" * 32])
+@pytest.mark.parametrize(("count", "length"), [(1, 10), (5000, 16), (300, 8000), (3, 70000), (10000, 256)])
+def test_heartbeats_split_to_what_decode_takes(secret: bytes | None, count: int, length: int) -> None:
+    """D waiting on many (or long-named) requests from one P: every id that fits a message is
+    named in some heartbeat, and each heartbeat decodes (one over the limits would be dropped
+    whole, and P would let every lease in it run out)."""
+    ids = [f"{i:08d}" + "x" * (length - 8) for i in range(count)]
+    beats = encode_heartbeats(ids, secret)
+    named: list[str] = []
+    for raw in beats:
+        assert len(raw) <= MAX_NOTIF_BYTES
+        msg = decode(raw, secret)
+        assert isinstance(msg, Heartbeat)
+        named += msg.request_ids
+    fits = [rid for rid in ids if len(rid) < MAX_NOTIF_BYTES - 200]
+    assert named == fits
+    if fits:  # no more messages than it takes
+        assert len(beats) <= 1 + max(-(-len(fits) // MAX_HEARTBEAT_IDS),
+                                     -(-sum(len(r) + 3 for r in fits) // MAX_NOTIF_BYTES))
+
+
+def test_heartbeat_of_no_ids_is_no_message() -> None:
+    assert encode_heartbeats([]) == []

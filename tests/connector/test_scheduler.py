@@ -6,6 +6,7 @@ import pytest
 
 from kvlink.connector.api import RequestView, WorkerOutput
 from kvlink.connector.config import ConnectorConfig
+from kvlink.connector.notifs import MAX_REQUEST_ID_BYTES
 from kvlink.connector.params import ForbiddenTransferParams, InvalidTransferParams
 from kvlink.connector.scheduler import NixlScheduler
 from kvlink.layout.presets import TINY_HYBRID
@@ -207,3 +208,24 @@ def test_params_handed_back_unused_name_the_held_request_only_when_p_issued_them
     assert s.held_by_params(again) == "r1"
     wall.now += 31.0
     assert s.held_by_params(params) is None  # the lease is over
+
+
+def test_p_keeps_no_kv_for_a_request_whose_id_no_notification_could_carry() -> None:
+    """D's Done names P's request id, and P drops notifications over 64 KiB: P would hold the
+    blocks of an id longer than that until its lease, and D's heartbeats would be dropped."""
+    s = NixlScheduler(unsigned("P"), tp_size=1)
+    long_id = "r" * (MAX_REQUEST_ID_BYTES + 1)
+    assert s.request_finished(RequestView(long_id, [1, 2, 3], {"do_remote_decode": True}), [[1]],
+                              aborted=False) == (False, None)
+    assert not s.build_step_metadata().saves and not s.has_pending_work()
+    fits = "r" * MAX_REQUEST_ID_BYTES
+    delay, params = s.request_finished(RequestView(fits, [1, 2, 3], {"do_remote_decode": True}), [[1]],
+                                       aborted=False)
+    assert delay and params is not None and params["remote_request_id"] == fits
+
+
+@pytest.mark.parametrize("rid", ["", "é" * (MAX_REQUEST_ID_BYTES // 2 + 1)])
+def test_d_refuses_params_naming_a_request_id_no_notification_could_carry(rid: str) -> None:
+    s = NixlScheduler(unsigned("D"), tp_size=1)
+    with pytest.raises(InvalidTransferParams, match="remote_request_id must be 1 to 4096 bytes"):
+        s.on_new_request(RequestView("d1", [1, 2], p_params(remote_request_id=rid)))

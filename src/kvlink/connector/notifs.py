@@ -19,6 +19,8 @@ from typing import Any
 PREFIX = "kvlink1"
 MAX_NOTIF_BYTES = 64 * 1024
 MAX_HEARTBEAT_IDS = 4096
+MAX_REQUEST_ID_BYTES = 4096
+"""P's request ids in params and notifications (UTF-8): a Done naming one always decodes."""
 _TAG = b"|mac="
 _TAG_LEN = len(_TAG) + 64
 _TAG_RE = re.compile(rb"\|mac=[0-9a-f]{64}\Z")
@@ -99,7 +101,8 @@ def _encode_body(msg: Notification) -> bytes:
     if isinstance(msg, Done):
         return f"{PREFIX}:done:{msg.expected}:{msg.request_id}".encode()
     if isinstance(msg, Heartbeat):
-        return f"{PREFIX}:hb:{len(msg.request_ids)}:".encode() + json.dumps(list(msg.request_ids)).encode()
+        return f"{PREFIX}:hb:{len(msg.request_ids)}:".encode() + json.dumps(list(msg.request_ids),
+                                                                          separators=(",", ":")).encode()
     if isinstance(msg, PushRequest):
         body = json.dumps({"request_id": msg.request_id, "info": msg.info}, separators=(",", ":"))
         return f"{PREFIX}:push:0:".encode() + body.encode()
@@ -114,6 +117,28 @@ def _encode_body(msg: Notification) -> bytes:
                           separators=(",", ":"))
         return f"{PREFIX}:pushed:1:".encode() + body.encode()
     return f"{PREFIX}:pushed:0:{msg.request_id}".encode()
+
+
+def encode_heartbeats(request_ids: tuple[str, ...] | list[str], secret: bytes | None = None) -> list[bytes]:
+    """Heartbeats naming every id in `request_ids`, as many messages as it takes for each to
+    stay within what `decode` accepts (bytes and ids). An id too long for a message of its
+    own is left out: P issues no params for one (`MAX_REQUEST_ID_BYTES`), and D refuses them."""
+    room = MAX_NOTIF_BYTES - (_TAG_LEN if secret else 0) - len(f"{PREFIX}:hb:{MAX_HEARTBEAT_IDS}:[]")
+    out: list[bytes] = []
+    batch: list[str] = []
+    size = 0
+    for rid in request_ids:
+        cost = len(json.dumps(rid).encode()) + 1  # the id and its comma
+        if cost > room:
+            continue
+        if batch and (size + cost > room or len(batch) == MAX_HEARTBEAT_IDS):
+            out.append(encode(Heartbeat(tuple(batch)), secret))
+            batch, size = [], 0
+        batch.append(rid)
+        size += cost
+    if batch:
+        out.append(encode(Heartbeat(tuple(batch)), secret))
+    return out
 
 
 def decode(raw: bytes, secret: bytes | None = None) -> Notification:

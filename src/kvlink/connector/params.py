@@ -18,6 +18,8 @@ from typing import Any
 
 import msgspec
 
+from kvlink.connector.notifs import MAX_REQUEST_ID_BYTES
+
 MAX_BLOCK_ID = 1 << 40
 NULL_BLOCK_ID = 0  # a placeholder that may repeat in a block list (see parse_remote_prefill)
 
@@ -85,6 +87,9 @@ def parse_remote_prefill(params: dict[str, Any]) -> RemotePrefillParams:
     if parsed.transfer_mode == "layerwise" and any(parsed.remote_block_ids):
         raise InvalidTransferParams("layerwise kv_transfer_params name no remote_block_ids: P has not "
                                     "allocated them yet, it writes into D's blocks as it prefills")
+    if not parsed.remote_request_id or len(parsed.remote_request_id.encode()) > MAX_REQUEST_ID_BYTES:
+        raise InvalidTransferParams(f"kv_transfer_params.remote_request_id must be 1 to {MAX_REQUEST_ID_BYTES} "
+                                    f"bytes, got {len(parsed.remote_request_id.encode())}")
     if not 0 < parsed.remote_port < 65536:
         raise InvalidTransferParams(f"kv_transfer_params.remote_port {parsed.remote_port} is not a TCP port")
     if not 0 < parsed.tp_size <= 1024:

@@ -15,6 +15,7 @@ from typing import Any
 
 from kvlink.connector.api import ConnectorScheduler, RequestView, StepMetadata, WorkerOutput
 from kvlink.connector.config import ConnectorConfig
+from kvlink.connector.notifs import MAX_REQUEST_ID_BYTES
 from kvlink.connector.params import (
     ForbiddenTransferParams,
     RemotePrefillParams,
@@ -234,6 +235,10 @@ class NixlScheduler(ConnectorScheduler):
         if not wants_remote_decode(request.kv_transfer_params):
             return False, None
         if aborted or not any(block_ids):
+            return False, None
+        if len(request.request_id.encode()) > MAX_REQUEST_ID_BYTES:
+            log.warning("request %.64s...: its id is over %d bytes, too long for the notifications D sends "
+                        "about it; no KV kept for a decoder", request.request_id, MAX_REQUEST_ID_BYTES)
             return False, None
         save: dict[str, Any] = {"request_id": request.request_id, "block_ids": [list(ids) for ids in block_ids]}
         if self.config.verify_kv != "off":  # P seals the tokens it ships

@@ -29,8 +29,8 @@ from kvlink.connector.loads import Load, LoadBook
 from kvlink.connector.notifier import Notifier
 from kvlink.connector.notifs import (
     Done,
-    Heartbeat,
     encode,
+    encode_heartbeats,
 )
 from kvlink.connector.pull import PullReader, all_blocks, local_tail
 from kvlink.connector.push import PushWriter
@@ -345,16 +345,16 @@ class NixlWorker(ConnectorWorker):
         assert engine.plan is not None
         mapping = engine.plan.mapping  # computed once at handshake
         if kind == "heartbeat":
-            msg = encode(Heartbeat(tuple(entry["remote_request_ids"])), self.secret)
-            targets = mapping.notify_ranks
-        else:
-            targets = mapping.notify_only_ranks if only_extra else mapping.notify_ranks
-            if not only_extra:
-                self.stats.count("notify_only_total")
+            beats = encode_heartbeats(entry["remote_request_ids"], self.secret)
+            for _rank, name in engine.notify_agents(mapping.notify_ranks):
+                for msg in beats:
+                    self.send(name, msg, engine)
+            return
+        targets = mapping.notify_only_ranks if only_extra else mapping.notify_ranks
+        if not only_extra:
+            self.stats.count("notify_only_total")
         for rank, name in engine.notify_agents(targets):
-            if kind != "heartbeat":
-                msg = encode(Done(entry["remote_request_id"], engine.expected[rank]), self.secret)
-            self.send(name, msg, engine)
+            self.send(name, encode(Done(entry["remote_request_id"], engine.expected[rank]), self.secret), engine)
 
     def send(self, agent_name: str, msg: bytes, engine: RemoteEngine | None = None) -> None:
         """Notify one remote agent; a failure is counted and logged."""
