@@ -80,3 +80,15 @@ def test_incremental_decode_never_splits_a_character(smollm2_tokenizer: Tokenize
     assert "".join(pieces) == smollm2_tokenizer.decode(ids, skip_special_tokens=True)
     # Multi-byte characters span several byte-level tokens, so some pushes must hold text back.
     assert "" in pieces[:-1]
+
+
+def test_chat_template_variables_a_client_sends_render_as_transformers_renders_them(
+    smollm2_tokenizer: Tokenizer, hf_tokenizer: Any,
+) -> None:
+    """`chat_template_kwargs` of a chat request: more variables for the template (SmolLM2's
+    ignores ones it does not read, as Jinja does)."""
+    messages = [{"role": "user", "content": "hi"}]
+    ours = smollm2_tokenizer.apply_chat_template(messages, False, enable_thinking=False, tools=None)
+    theirs = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                              enable_thinking=False)
+    assert ours == theirs == smollm2_tokenizer.apply_chat_template(messages, False)

@@ -144,8 +144,10 @@ class FakeTokenizer:
         return FakeIncrementalDecoder()
 
     def apply_chat_template(self, messages: Sequence[dict[str, str]],
-                            add_generation_prompt: bool = True) -> str:
-        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+                            add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
+        self.template_kwargs = template_kwargs
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        return text + "<assistant>" if add_generation_prompt else text
 
 
 @contextmanager

@@ -104,16 +104,19 @@ class Tokenizer:
         self,
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
+        **template_kwargs: Any,
     ) -> str:
-        """Render `messages` with the template stored in the GGUF file."""
+        """Render `messages` with the template stored in the GGUF file; `template_kwargs` are
+        more variables the template may read (a client's `chat_template_kwargs`)."""
         if self._vocab.chat_template is None:
             raise ValueError("this GGUF file carries no tokenizer.chat_template")
         template = _compile_template(self._vocab.chat_template)
         return template.render(
-            messages=[dict(message) for message in messages],
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.token(self.bos_token_id),
-            eos_token=self.token(self.eos_token_id),
+            {**template_kwargs,
+             "messages": [dict(message) for message in messages],
+             "add_generation_prompt": add_generation_prompt,
+             "bos_token": self.token(self.bos_token_id),
+             "eos_token": self.token(self.eos_token_id)},
         )
 
     def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -22,6 +21,7 @@ from kvlink.serve.generation import GenerationFailed, Piece, Summary, generate_p
 from kvlink.serve.metrics import MetricsRegistry, render_stats_gauges
 from kvlink.serve.prompts import chat_prompt_ids, completion_prompt_ids, token_budget
 from kvlink.serve.protocol import ChatCompletionRequest, CompletionRequest
+from kvlink.serve.request_ids import request_id_of
 from kvlink.serve.responses import Kind, ResponseShape, sse
 
 logger = logging.getLogger("kvlink.serve")
@@ -129,9 +129,19 @@ def build_app(
         raw: Request, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
         requested_max_tokens: int | None,
     ) -> Response:
-        request_id = raw.headers.get("x-request-id") or uuid.uuid4().hex
+        try:
+            request_id = request_id_of(raw)
+        except APIError:
+            await release_prefilled(body, prompt_ids, "(refused id)")
+            raise
         try:
             check_model(body.model, model_name)
+            if role == "decode" and (body.kv_transfer_params or {}).get("do_remote_decode") is True:
+                # A decode instance is not asked for its KV: nothing would hand its blocks back
+                # (its /v1/kv_release is a prefill instance's).
+                raise APIError(400, "kv_transfer_params.do_remote_decode asks for a prefill whose KV a "
+                                    "decode instance reads; this is a decode instance: send it to a "
+                                    "--role prefill instance", "invalid_value", param="kv_transfer_params")
             max_tokens = token_budget(len(prompt_ids), requested_max_tokens, max_model_len)
             if body.min_tokens > max_tokens:
                 raise APIError(400, f"min_tokens={body.min_tokens} is more than the {max_tokens} tokens this "

@@ -15,7 +15,7 @@ def encode_text(tokenizer: Any, text: str, what: str, max_model_len: int | None 
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:
-        raise APIError(400, f"{what} is not valid Unicode text: a lone surrogate "
+        raise APIError(400, f"the {what} is not valid Unicode text: a lone surrogate "
                             f"{text[error.start]!r} at character {error.start}", "invalid_value") from None
     longest = getattr(tokenizer, "max_token_chars", None)
     if max_model_len is not None and isinstance(longest, int) and longest > 0 \
@@ -44,10 +44,12 @@ def completion_prompt_ids(request: CompletionRequest, tokenizer: Any, max_model_
 
 def chat_prompt_ids(request: ChatCompletionRequest, tokenizer: Any, max_model_len: int | None = None) -> list[int]:
     try:
-        text = tokenizer.apply_chat_template(request.template_messages(), add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(request.template_messages(),
+                                             add_generation_prompt=request.add_generation_prompt,
+                                             **(request.chat_template_kwargs or {}))
     except Exception as error:  # template errors are about the messages the client sent
         raise APIError(400, f"cannot apply the chat template: {error}", "invalid_value") from error
-    return encode_text(tokenizer, text, "the messages' text", max_model_len)
+    return encode_text(tokenizer, text, "messages' text", max_model_len)
 
 
 def token_budget(prompt_tokens: int, requested: int | None, max_model_len: int) -> int:

@@ -4,7 +4,9 @@ Only the fields kvlink acts on are declared; unknown fields are ignored (clients
 send many), but features we cannot honour (`n > 1`, `logprobs`, `echo`, and the sampling
 knobs in `UNHONOURED` set to anything but their neutral value) are refused with a 400
 rather than silently dropped. Of vLLM's extensions, `ignore_eos`, `stop_token_ids`,
-`min_tokens`, `include_stop_str_in_output` and `skip_special_tokens` are honoured.
+`min_tokens`, `include_stop_str_in_output` and `skip_special_tokens` are honoured, and for
+chat `add_generation_prompt` and `chat_template_kwargs` (`continue_final_message` and a
+`chat_template` of the client's are refused).
 """
 
 from __future__ import annotations
@@ -158,11 +160,28 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
+    echo: bool = False
+    # vLLM's chat extensions: the first two are honoured, the others refused when set
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False
+    chat_template: str | None = None
 
     @model_validator(mode="after")
     def _unsupported(self) -> ChatCompletionRequest:
         if self.logprobs:
             raise ValueError("logprobs are not supported")
+        if self.echo:
+            raise ValueError("echo=true is not supported")
+        if self.continue_final_message:
+            raise ValueError("continue_final_message=true is not supported (the template's generation "
+                             "prompt, or none with add_generation_prompt=false, is)")
+        if self.chat_template is not None:
+            raise ValueError("chat_template is not supported: the model's own template (from its GGUF "
+                             "file) is used")
+        reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token"} & set(self.chat_template_kwargs or {})
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {sorted(reserved)}")
         return self
 
     @property
