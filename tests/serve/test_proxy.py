@@ -140,6 +140,11 @@ def test_client_disconnect_mid_stream_aborts_on_decode(pd: tuple[str, FakeEngine
         assert time.monotonic() < deadline, "decode instance never saw the abort"
         time.sleep(0.05)
     assert not d_engine.running
+    # counted once, as the 499 the client would have had (it was counted as nothing before)
+    while 'kvlink_proxy_requests_total{outcome="client_closed"} 1' not in httpx.get(f"{proxy_url}/metrics").text:
+        assert time.monotonic() < deadline, httpx.get(f"{proxy_url}/metrics").text
+        time.sleep(0.05)
+    assert 'outcome="ok"' not in httpx.get(f"{proxy_url}/metrics").text
 
 
 @pytest.mark.parametrize(
@@ -157,7 +162,7 @@ def test_upstream_failures_become_clear_http_errors(
 ) -> None:
     good = FakeEngine()
     with ExitStack() as stack:
-        good_url = stack.enter_context(fake_instance(side, good))
+        good_url = stack.enter_context(fake_instance("prefill" if side == "decode" else "decode", good))
         bad_url = closed_port_url() if status == 0 else stack.enter_context(
             serve_in_thread(misbehaving_app(status)))
         urls = (bad_url, good_url) if side == "prefill" else (good_url, bad_url)
@@ -196,7 +201,7 @@ def test_upstream_statuses_are_passed_on_or_translated(
 ) -> None:
     good = FakeEngine()
     with ExitStack() as stack:
-        good_url = stack.enter_context(fake_instance(side, good))
+        good_url = stack.enter_context(fake_instance("prefill" if side == "decode" else "decode", good))
         bad_url = stack.enter_context(serve_in_thread(misbehaving_app(status, code, headers)))
         urls = (bad_url, good_url) if side == "prefill" else (good_url, bad_url)
         proxy = stack.enter_context(serve_in_thread(build_proxy_app([urls[0]], [urls[1]], timeout_s=5.0)))

@@ -17,7 +17,6 @@ import json
 import logging
 import math
 import time
-import uuid
 from collections.abc import AsyncIterator, Coroutine
 from typing import Annotated, Any
 
@@ -31,6 +30,7 @@ from kvlink.serve.body_limit import limit_bodies
 from kvlink.serve.disconnect import unless_disconnected
 from kvlink.serve.errors import APIError, install_error_handlers
 from kvlink.serve.metrics import MetricsRegistry
+from kvlink.serve.request_ids import request_id_of
 from kvlink.serve.upstream import (
     KEEPALIVE_EXPIRY_S,
     Instance,
@@ -108,17 +108,6 @@ def check_rewritten(body: dict[str, Any]) -> None:
         elif name == "stream" and value is None:
             value = False
         body[name] = value
-
-
-def request_id_of(raw: Request) -> str:
-    """The client's x-request-id (printable ASCII, as HTTP headers carry it), or a new one."""
-    given = raw.headers.get("x-request-id")
-    if given is None or given == "":
-        return uuid.uuid4().hex
-    if not (given.isascii() and given.isprintable()) or len(given) > 256:
-        raise APIError(400, "x-request-id must be at most 256 printable ASCII characters", "invalid_value",
-                       param="x-request-id")
-    return given
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -299,22 +288,24 @@ def build_proxy_app(
 
         async def passthrough() -> AsyncIterator[bytes]:
             first = True
-            outcome = "client_left"
+            # Counted once, by the code a client would see: the stream's end, the error event
+            # it got, or (it left mid-stream) the 499 it would have had.
+            code, outcome = "client_closed", "client_closed (the client left mid-stream)"
             try:
                 async for chunk in response.aiter_raw():
                     if first:
                         metrics.observe("decode_ttft_seconds", time.monotonic() - sent)
                         first = False
                     yield chunk
-                metrics.inc("requests_total", outcome="ok")
-                outcome = "ok"
+                code = outcome = "ok"
             except httpx.HTTPError as error:
                 api_error = transport_error("decode", instance.url, error, timeout_s)
-                metrics.inc("requests_total", outcome="decode_error")
-                outcome = f"decode_error ({api_error.message})"
+                code = api_error.code or "error"
+                outcome = f"{code} ({api_error.message})"
                 event = json.dumps(api_error.body())  # headers are gone: the status is in the event
                 yield f"data: {event}\n\ndata: [DONE]\n\n".encode()
             finally:
+                metrics.inc("requests_total", outcome=code)
                 # Shielded: on client disconnect this task is cancelled, and closing the
                 # upstream stream is what makes D abort the request.
                 with anyio.CancelScope(shield=True):
