@@ -84,6 +84,8 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def layer_of(module: str) -> str:
+    if module == "kvlink.__main__":  # `python -m kvlink`: the command line's entry point
+        return "cli"
     return module.split(".")[1] if module.count(".") else module
 
 

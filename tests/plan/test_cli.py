@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -65,3 +67,10 @@ def test_bench_plan_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[st
     rows = json.loads(out.read_text())["rows"]
     assert [r["descriptors_per_side"] for r in rows] == [2048, 8192]
     assert "request_ids ms" in capsys.readouterr().out
+
+
+def test_python_dash_m_kvlink_is_the_kvlink_command() -> None:
+    done = subprocess.run([sys.executable, "-m", "kvlink", "plan", "--preset", "smollm2-135m", "--p-tp", "1",
+                           "--d-tp", "1", "--json"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["model"] == "smollm2-135m"
