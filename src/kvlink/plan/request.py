@@ -64,11 +64,10 @@ def _block_ids(ids: Sequence[int] | IntArray, side: str, group: int) -> IntArray
     if isinstance(ids, np.ndarray) and ids.dtype == np.int64 and ids.ndim == 1:
         return ids
     what = f"{side} block ids of group {group}"
-    if not isinstance(ids, np.ndarray):
-        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
-            raise ValueError(f"{what} must be a sequence of integers, got {type(ids).__name__}")
-        if bool in set(map(type, ids)):
-            raise ValueError(f"{what} must be integers, got a bool")
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__"):
+        raise ValueError(f"{what} must be a sequence of integers, got {type(ids).__name__}")
+    if isinstance(ids, (list, tuple)) and bool in set(map(type, ids)):
+        raise ValueError(f"{what} must be integers, got a bool")
     try:
         array = np.asarray(ids)
     except (TypeError, ValueError, OverflowError) as exc:
