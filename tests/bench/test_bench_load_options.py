@@ -29,6 +29,8 @@ def test_both_routers_run_on_one_deployment_vllm_router_first() -> None:
     (["--prefills", "0"], "--prefills"),
     (["--decodes", "65"], "--decodes"),
     (["--router", "nginx"], "--router"),
+    (["--memory-json", "/tmp/kvlink-test-unwritten.json"], "--memory-json and --memory-plot keep the memory series"),
+    (["--memory-plot", "/tmp/kvlink-test-chart.svg"], "expected a .png file path"),
 ])
 def test_refused_options_name_the_option(argv: list[str], named: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:

@@ -45,7 +45,9 @@ def test_options_refuse_what_they_cannot_run() -> None:
     assert _rates("1gbit,none,500mbit") == ("1gbit", None, "500mbit")
     assert _tokens("256,2048") == (256, 2048)
     assert _modes("pull,layerwise") == ("pull", "layerwise")
-    for parse, bad in ((_rates, "fast"), (_tokens, "1"), (_tokens, "9000"), (_modes, "stream")):
+    assert _rates("0.5gbit,10kbit") == ("0.5gbit", "10kbit")
+    for parse, bad in ((_rates, "fast"), (_rates, "0bit"), (_rates, "0.0mbit"), (_rates, "gbit"), (_rates, "1.5.2mbit"),
+                       (_tokens, "1"), (_tokens, "9000"), (_modes, "stream")):
         with pytest.raises(argparse.ArgumentTypeError):
             parse(bad)
 

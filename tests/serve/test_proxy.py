@@ -311,7 +311,9 @@ def test_p_gets_at_most_one_min_token() -> None:
 
 @pytest.mark.parametrize(("field", "value"), [("max_tokens", -1), ("max_tokens", 2.5), ("max_tokens", "many"),
                                               ("max_completion_tokens", 0), ("min_tokens", -3),
-                                              ("stream", "x"), ("stream_options", "x")])
+                                              ("stream", "x"), ("stream_options", "x"),
+                                              ("kv_transfer_params", "str"),
+                                              ("kv_transfer_params", {"transfer_mode": "layerwize"})])
 def test_fields_p_would_not_see_are_checked_before_p_prefills(
         pd: tuple[str, FakeEngine, FakeEngine], field: str, value: object) -> None:
     """P's leg rewrites these fields, so a bad value would only reach D, after P prefilled

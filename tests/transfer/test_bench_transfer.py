@@ -214,3 +214,23 @@ def test_bench_transfer_times_several_verify_modes_in_the_same_rounds(tmp_path: 
     refused = subprocess.run([sys.executable, "-m", "kvlink.cli.main", "bench", "transfer", "--verify-kv", "off,off"],
                              env=env, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "each once" in refused.stderr
+
+
+def test_a_namespace_the_peers_cannot_use_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvlink.cli.main import main
+
+    code = main(["bench", "transfer", "--preset", "smollm2-135m", "--tokens", "32", "--layers", "2", "--repeats",
+                 "1", "--min-seconds", "0", "--max-gib", "0.01", "--p-netns", "kvlink-no-such-ns",
+                 "--p-host", "10.9.9.9"])
+    assert code == 2
+    assert "kvlink bench transfer: error: network namespace kvlink-no-such-ns" in capsys.readouterr().err
+
+
+def test_a_chart_path_that_is_not_png_is_refused_before_the_run(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    from kvlink.cli.main import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", "transfer", "--plot", str(tmp_path / "chart.foo")])
+    assert exited.value.code == 2 and "expected a .png file path" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())

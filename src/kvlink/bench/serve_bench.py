@@ -63,8 +63,8 @@ class SetupResult:
     output_tokens: int
     ttft_p50_ms: float
     ttft_p99_ms: float
-    itl_p50_ms: float
-    itl_p99_ms: float
+    itl_p50_ms: float | None  # None: no answer had two tokens (no gap between tokens)
+    itl_p99_ms: float | None
     output_tokens_per_s: float
     requests_per_s: float
     # P/D only: shares of the client's TTFT (summed over requests), KV per request
@@ -73,6 +73,10 @@ class SetupResult:
     kv_bytes_per_request: float | None = None
     kv_transfer_p50_ms: float | None = None
     kv_transfer_p99_ms: float | None = None
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -98,7 +102,8 @@ def summarize(setup: str, answers: list[Answer], wall_s: float) -> SetupResult:
     tokens = sum(a.completion_tokens for a in answers)
     result = SetupResult(
         setup, len(answers), wall_s, tokens,
-        percentile(ttfts, 50), percentile(ttfts, 99), percentile(gaps, 50), percentile(gaps, 99),
+        percentile(ttfts, 50), percentile(ttfts, 99),
+        percentile(gaps, 50) if gaps else None, percentile(gaps, 99) if gaps else None,
         tokens / wall_s if wall_s else 0.0, len(answers) / wall_s if wall_s else 0.0)
     moved = [a for a in answers if a.kv_bytes is not None and a.ttft_s > 0]
     if moved:
@@ -179,8 +184,8 @@ def table(report: dict[str, Any]) -> str:
         kv_share = None if r["kv_share_of_ttft"] is None else 100 * r["kv_share_of_ttft"]
         p_share = None if r["prefill_share_of_ttft"] is None else 100 * r["prefill_share_of_ttft"]
         lines.append(
-            f"| {r['setup']} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.1f} "
-            f"| {r['itl_p99_ms']:.1f} | {r['output_tokens_per_s']:.1f} | {r['requests_per_s']:.2f} "
+            f"| {r['setup']} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {_ms(r['itl_p50_ms'])} "
+            f"| {_ms(r['itl_p99_ms'])} | {r['output_tokens_per_s']:.1f} | {r['requests_per_s']:.2f} "
             f"| {fmt(kv_share, '.1f')}% | {fmt(p_share, '.1f')}% | {fmt(kv_mib, '.2f')} "
             f"| {fmt(r['kv_transfer_p50_ms'], '.1f')} / {fmt(r['kv_transfer_p99_ms'], '.1f')} |")
     return "\n".join(lines)
@@ -203,8 +208,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
     xs = range(len(names))
     for ax, (metric, unit) in zip(axes[:2], (("ttft", "TTFT"), ("itl", "inter-token latency")),
                                   strict=True):
-        ax.bar([x - width / 2 for x in xs], [r[f"{metric}_p50_ms"] for r in results], width, label="p50")
-        ax.bar([x + width / 2 for x in xs], [r[f"{metric}_p99_ms"] for r in results], width, label="p99")
+        ax.bar([x - width / 2 for x in xs], [r[f"{metric}_p50_ms"] or 0.0 for r in results], width, label="p50")
+        ax.bar([x + width / 2 for x in xs], [r[f"{metric}_p99_ms"] or 0.0 for r in results], width, label="p99")
         ax.set_xticks(list(xs), names)
         ax.set_ylabel("ms")
         ax.set_title(unit)

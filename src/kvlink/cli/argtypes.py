@@ -76,6 +76,14 @@ def output_file(text: str) -> Path:
     return path
 
 
+def png_file(text: str) -> Path:
+    """An `output_file` for a chart: the charts are PNG, and the name must say so (matplotlib
+    picks the format by the suffix, and would fail on another only after the run)."""
+    if Path(text).suffix.lower() != ".png":
+        raise argparse.ArgumentTypeError(f"expected a .png file path, got {text!r}")
+    return output_file(text)
+
+
 def output_dir(text: str) -> Path:
     """A directory a command writes into: made now (and kept), and checked writable (a file is
     created and removed in it); what was made is removed again when the check fails."""

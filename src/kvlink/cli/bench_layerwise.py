@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvlink.cli.argtypes import env_pair, json_object, output_dir, output_file
+from kvlink.cli.argtypes import env_pair, json_object, output_dir, output_file, png_file
 from kvlink.cli.ranges import ranged
 from kvlink.layout.limits import COUNT, NUM_BLOCKS
 
@@ -29,10 +30,10 @@ def _rates(text: str) -> tuple[str | None, ...]:
         value = value.strip().lower()
         if value == "none":
             out.append(None)
-        elif value.rstrip("gmkbit").replace(".", "", 1).isdigit() and value.endswith("bit"):
+        elif (match := re.fullmatch(r"(\d+(?:\.\d+)?)[kmg]?bit", value)) and float(match.group(1)) > 0:
             out.append(value)
         else:
-            raise argparse.ArgumentTypeError(f"rate {value!r}: expected a tc rate such as 1gbit or 500mbit, or none")
+            raise argparse.ArgumentTypeError(f"rate {value!r}: expected a tc rate above 0 such as 1gbit or 500mbit, or none")
     return tuple(out)
 
 
@@ -65,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "over the bench's own, UCX_TLS=tcp included)")
     parser.add_argument("--num-blocks", type=ranged(NUM_BLOCKS), default=320)
     parser.add_argument("--json", type=output_file, default=None, help="write the results here")
-    parser.add_argument("--plot", type=output_file, default=None, help="write a PNG chart here")
+    parser.add_argument("--plot", type=png_file, default=None, help="write a PNG chart here")
     parser.add_argument("--log-dir", type=output_dir, default=None, help="server logs (default: temporary)")
 
 

@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import math
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,7 +30,7 @@ from typing import Any
 
 from kvlink.bench.cluster import INSTANCES
 from kvlink.bench.load_routers import ROUTER_CHOICES
-from kvlink.cli.argtypes import output_dir, output_file
+from kvlink.cli.argtypes import output_dir, output_file, png_file
 from kvlink.cli.ranges import ranged
 from kvlink.layout.limits import (
     CONCURRENCY,
@@ -88,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "process (default 5; vllm engine 2)")
     parser.add_argument("--memory-json", type=output_file, default=None,
                         help="soak mode and vllm engine: write the memory samples (RSS, glibc heap) here")
-    parser.add_argument("--memory-plot", type=output_file, default=None,
+    parser.add_argument("--memory-plot", type=png_file, default=None,
                         help="soak mode and vllm engine: draw the memory curve to this PNG")
     parser.add_argument("--log-dir", type=output_dir, default=None)
     parser.add_argument("--json", type=output_file, default=None, help="write the summary here")
@@ -109,6 +110,9 @@ def check_args(args: argparse.Namespace) -> None:
     args.requests = args.requests or requests
     args.concurrency = args.concurrency or concurrency
     args.memory_interval_s = args.memory_interval_s or (2.0 if args.engine == "vllm" else 5.0)
+    if args.engine != "vllm" and not args.soak_minutes and (args.memory_json or args.memory_plot):
+        raise ValueError("--memory-json and --memory-plot keep the memory series of a soak (--soak-minutes) "
+                         "or of --engine vllm; this run records none")
     if args.soak_minutes and args.router == "both":
         raise ValueError("--router both compares routers under load; --soak-minutes soaks through one: "
                          "give --router kvlink or --router vllm-router")
@@ -135,10 +139,14 @@ def run(args: argparse.Namespace) -> int:
     cluster = Cluster(spec_for(args), log_dir)
     print(f"kvlink bench load: model {args.model}, logs in {log_dir}")
     started = time.monotonic()
-    cluster.start(timeout_s=300)
-    print(f"{args.prefills}P{args.decodes}D + {cluster.spec.router} up in {time.monotonic() - started:.1f}s")
     try:
+        cluster.start(timeout_s=300)
+        print(f"{args.prefills}P{args.decodes}D + {cluster.spec.router} up in {time.monotonic() - started:.1f}s")
         summary = _soak(cluster, args) if args.soak_minutes else _load(cluster, args)
+    except KeyboardInterrupt:
+        cluster.stop()
+        print("interrupted; every process was stopped", file=sys.stderr)
+        return 130
     finally:
         cluster.stop()
     if args.json:

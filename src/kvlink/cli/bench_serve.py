@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvlink.cli.argtypes import output_dir, output_file
+from kvlink.cli.argtypes import output_dir, output_file, png_file
 from kvlink.cli.ranges import ranged
 from kvlink.engine.models import MODEL_NAMES
 from kvlink.layout.limits import CONCURRENCY, COUNT, MAX_TOKENS, NUM_BLOCKS, TOKENS, int_range
@@ -23,10 +23,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="do not pin processes to cores (default: P core 0, D core 1, "
                              "colocated both, on machines with at least 2 cores)")
     parser.add_argument("--no-progress-thread", action="store_true",
-                        help="start P and D without NIXL's progress thread (the serve default); "
+                        help="start P and D without NIXL's progress thread (kvlink serve runs it by default); "
                              "then D's READs wait while P runs a forward pass")
     parser.add_argument("--json", type=output_file, default=None, help="write the results here")
-    parser.add_argument("--plot", type=output_file, default=None, help="write a PNG chart here")
+    parser.add_argument("--plot", type=png_file, default=None, help="write a PNG chart here")
     parser.add_argument("--log-dir", type=output_dir, default=None, help="server logs (default: temporary)")
 
 

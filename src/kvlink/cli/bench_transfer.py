@@ -17,7 +17,7 @@ from kvlink.bench.transfer import (
     run_bench,
 )
 from kvlink.bench.transfer_report import plot, table, verdicts
-from kvlink.cli.argtypes import output_file
+from kvlink.cli.argtypes import output_file, png_file
 from kvlink.cli.ranges import ranged, ranged_list
 from kvlink.connector.config import ConnectorConfig
 from kvlink.layout.limits import (
@@ -66,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             help=f"address {name}'s side channel listens on (with --{side}-netns: "
                                  "its address on the P-D link)")
     parser.add_argument("--json", type=output_file, metavar="FILE", help="write the results as JSON")
-    parser.add_argument("--plot", type=output_file, metavar="FILE", help="write a PNG chart")
+    parser.add_argument("--plot", type=png_file, metavar="FILE", help="write a PNG chart")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,7 +85,17 @@ def run(args: argparse.Namespace) -> int:
     if options.memory == "cuda" and (why := cuda_unavailable()) is not None:
         print(f"kvlink bench transfer: error: {why}", file=sys.stderr)
         return 2
-    result = run_bench(options)
+    try:
+        result = run_bench(options)
+    except KeyboardInterrupt:
+        print("interrupted; every process was stopped", file=sys.stderr)
+        return 130
+    except ValueError as exc:  # a host or namespace the peers cannot use
+        print(f"kvlink bench transfer: error: {exc}", file=sys.stderr)
+        return 2
+    except (RuntimeError, OSError, TimeoutError) as exc:  # a peer failed (its log tail is in the message)
+        print(f"kvlink bench transfer: failed: {exc}", file=sys.stderr)
+        return 1
     print()
     print(table(result))
     print()

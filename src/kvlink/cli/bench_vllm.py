@@ -9,7 +9,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvlink.cli.argtypes import env_pair, json_object, name_subset, output_dir, output_file
+from kvlink.cli.argtypes import (
+    env_pair,
+    json_object,
+    name_subset,
+    output_dir,
+    output_file,
+    png_file,
+)
 from kvlink.cli.ranges import ranged
 from kvlink.connector.config import VERIFY_MODES
 from kvlink.layout.limits import CONCURRENCY, COUNT, SECONDS, SEED, int_range
@@ -61,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out-dir", type=output_dir, default=Path("bench-results/vllm"),
                         help="JSON, PNG, client results and server logs go here")
     parser.add_argument("--markdown", type=output_file, default=None, help="also write the markdown table here")
-    parser.add_argument("--plot", type=output_file, default=None, help="PNG path (default OUT_DIR/bench-vllm.png)")
+    parser.add_argument("--plot", type=png_file, default=None, help="PNG path (default OUT_DIR/bench-vllm.png)")
     parser.add_argument("--from-json", type=Path, default=None, metavar="FILE",
                         help="start nothing: render the table, markdown and PNG of a saved report")
 

@@ -95,6 +95,15 @@ _REWRITTEN: dict[str, TypeAdapter[Any]] = {
 def check_rewritten(body: dict[str, Any]) -> None:
     """400 for a value of a field P's leg rewrites that no instance would take; the others
     are written back as an instance reads them."""
+    asked = body.get("kv_transfer_params")
+    if asked is not None:
+        # The proxy reads only the mode a client picks; it writes P's and D's params itself.
+        if not isinstance(asked, dict):
+            raise APIError(400, f"kv_transfer_params must be an object, got {type(asked).__name__}",
+                           "invalid_value", param="kv_transfer_params")
+        if asked.get("transfer_mode") not in (None, "pull", "push", "layerwise"):
+            raise APIError(400, f"kv_transfer_params.transfer_mode must be one of pull, push, layerwise, got "
+                                f"{asked.get('transfer_mode')!r}"[:300], "invalid_value", param="kv_transfer_params")
     for name, adapter in _REWRITTEN.items():
         if name not in body:
             continue
