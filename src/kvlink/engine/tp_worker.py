@@ -23,8 +23,13 @@ PR_SET_PDEATHSIG = 1
 
 
 def _die_with_parent(parent_pid: int) -> None:
+    """Rank 0 ends a follower: by its shutdown broadcast, or (rank 0 gone) by SIGKILL. Ctrl-C
+    and SIGTERM reach the whole process group; a follower that died of them before rank 0
+    said shutdown would break rank 0's own orderly stop (a collective with a dead peer)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         sys.exit(1)
 

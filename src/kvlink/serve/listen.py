@@ -10,7 +10,9 @@ for an empty host, IPv6 sockets IPv6-only.
 from __future__ import annotations
 
 import contextlib
+import signal
 import socket
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -76,6 +78,10 @@ def check_kv_ports(host: str, ports: Iterable[int]) -> None:
             raise ListenError(f"cannot listen on {_where(host, port)} (--kv-host, --kv-port): {reason}") from None
 
 
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def serve(app: Any, sockets: list[socket.socket], **options: Any) -> None:
     """Run uvicorn on sockets already listening (options as uvicorn.Config's) until it is
     stopped; Ctrl-C ends it quietly, and a server that never started exits 3, as uvicorn.run."""
@@ -83,7 +89,16 @@ def serve(app: Any, sockets: list[socket.socket], **options: Any) -> None:
 
     host, port = sockets[0].getsockname()[:2]
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, **options))
-    with contextlib.suppress(KeyboardInterrupt):
-        server.run(sockets=sockets)
+    # uvicorn stops gracefully on SIGTERM, then raises it again under the handler it found:
+    # the default one would end the process before the caller's own shutdown (the engine, the
+    # KV connector, the other TP ranks) runs, so SIGTERM ends here as Ctrl-C does.
+    main_thread = threading.current_thread() is threading.main_thread()  # signals are set there only
+    previous = signal.signal(signal.SIGTERM, _interrupt) if main_thread else None
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            server.run(sockets=sockets)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
     if not server.started:
         raise SystemExit(3)
