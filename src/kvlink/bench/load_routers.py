@@ -42,12 +42,16 @@ def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]
     return {k: after[k] - before.get(k, 0.0) for k in after}
 
 
-def disconnect_probe(router_url: str, decode_urls: Sequence[str], max_tokens: int = 512,
+def disconnect_probe(router_url: str, decode_urls: Sequence[str], max_tokens: int | None = None,
                      timeout_s: float = 30.0) -> dict[str, Any]:
     """Stream one long completion through the router, close the connection after the first
     text chunk, and watch D's outcome counters: `abort` means the disconnect reached D (which
     then frees its blocks and lets P's lease go); `ok` means D generated all `max_tokens`
-    for nobody. Run it on an idle deployment."""
+    for nobody. Run it on an idle deployment. `max_tokens` None: 512, or less where D's
+    context (its KV pool) is smaller."""
+    if max_tokens is None:
+        card = httpx.get(decode_urls[0] + "/v1/models", timeout=timeout_s).json()["data"][0]
+        max_tokens = min(512, int(card["max_model_len"]) - 64)  # the prompt is about 12 tokens
     before = outcome_counts(decode_urls)
     body = {"prompt": "disconnect probe: count the stones by the river", "max_tokens": max_tokens,
             "temperature": 0, "stream": True}
