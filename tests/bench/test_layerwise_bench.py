@@ -119,6 +119,6 @@ def test_nixl_connector_settings_reach_its_servers_only(tmp_path: Path, capsys: 
     assert server_env(p)["UCX_TLS"] == "tcp"
     for argv in (["--nixl-extra", '{"num_threads": 8}'], ["--engine", "vllm", "--modes", "pull", "--nixl-env", "A=1"]):
         assert main(["bench", "layerwise", *argv]) == 2
-        assert "need --engine vllm and mode nixl" in capsys.readouterr().out
+        assert "need --engine vllm and mode nixl" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["bench", "layerwise", "--engine", "vllm", "--nixl-extra", "[1]"])

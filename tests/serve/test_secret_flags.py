@@ -41,7 +41,7 @@ def test_p_and_d_refuse_to_start_without_a_secret(role: str, clean_env: dict[str
     done = _serve("--role", role, env=clean_env)
     assert done.returncode == 2, done.stdout + done.stderr
     for needle in (SECRET_ENV, "--secret-file", "--insecure-unsigned-params"):
-        assert needle in done.stdout, done.stdout
+        assert needle in done.stderr, done.stdout + done.stderr
 
 
 def test_a_short_secret_is_refused_naming_its_size(tmp_path: Path, clean_env: dict[str, str]) -> None:
@@ -49,9 +49,9 @@ def test_a_short_secret_is_refused_naming_its_size(tmp_path: Path, clean_env: di
     short.write_text("tooshort")
     done = _serve("--role", "decode", "--secret-file", str(short), env=clean_env)
     assert done.returncode == 2
-    assert f"holds a secret of 8 bytes; it must be at least {MIN_SECRET_BYTES} bytes" in done.stdout, done.stdout
+    assert f"holds a secret of 8 bytes; it must be at least {MIN_SECRET_BYTES} bytes" in done.stderr, done.stderr
     done = _serve("--role", "prefill", "--insecure-unsigned-params", env={**clean_env, SECRET_ENV: new_secret()})
-    assert done.returncode == 2 and "drop one of them" in done.stdout, done.stdout
+    assert done.returncode == 2 and "drop one of them" in done.stderr, done.stderr
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -78,15 +79,16 @@ def run(args: argparse.Namespace) -> int:
     needed = -(-(longest + 64) // 16)
     if args.num_blocks < needed:
         print(f"kvlink bench layerwise: --num-blocks {args.num_blocks} cannot hold a {longest}-token "
-              f"prompt in blocks of 16; use at least {needed}")
+              f"prompt in blocks of 16; use at least {needed}", file=sys.stderr)
         return 2
     modes = args.modes or (ALL_MODES if args.engine == "vllm" else ALL_MODES[:3])
     if "nixl" in modes and args.engine != "vllm":
-        print("kvlink bench layerwise: mode nixl is vLLM's NixlConnector; use it with --engine vllm")
+        print("kvlink bench layerwise: mode nixl is vLLM's NixlConnector; use it with --engine vllm",
+              file=sys.stderr)
         return 2
     if (args.nixl_extra or args.nixl_env) and "nixl" not in modes:
         print("kvlink bench layerwise: --nixl-extra and --nixl-env set NixlConnector's servers; "
-              "they need --engine vllm and mode nixl")
+              "they need --engine vllm and mode nixl", file=sys.stderr)
         return 2
     where = machine()
     progress = lambda line: print(line, flush=True)  # noqa: E731
@@ -100,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         print("interrupted; every process and namespace was removed")
         return 130
     except (RuntimeError, TimeoutError) as error:
-        print(f"kvlink bench layerwise: {error}")
+        print(f"kvlink bench layerwise: {error}", file=sys.stderr)
         return 1
     print()
     print(f"{where}; {result.transport}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from kvlink.cli.argtypes import output_dir, output_file, png_file
 from kvlink.cli.ranges import ranged
@@ -44,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         print("interrupted; every process was stopped")
         return 130
     except (RuntimeError, TimeoutError) as error:
-        print(f"kvlink bench serve: {error}")
+        print(f"kvlink bench serve: {error}", file=sys.stderr)
         return 1
     print()
     print(f"CPU placement: {report['placement']}; NIXL progress thread "

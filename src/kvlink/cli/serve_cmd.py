@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         trace_frames = memory.tracing_frames()
         served = build_engine(args, progress=lambda line: print(line, flush=True))
     except (ValueError, NotImplementedError, FileNotFoundError) as error:
-        print(f"kvlink serve: {error}", flush=True)
+        print(f"kvlink serve: {error}", file=sys.stderr, flush=True)
         return 2
     except OSError as error:  # a file the model needs, or a port taken since the check
         print(f"kvlink serve: cannot start: {error}", file=sys.stderr, flush=True)
