@@ -3,6 +3,7 @@ loading anything, and say they serve only once their socket listens."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -122,3 +123,42 @@ def test_proxy_refuses_a_taken_port_and_serves_once_it_listens(taken: int) -> No
         except subprocess.TimeoutExpired:
             live.kill()
             live.wait(timeout=10)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_tp_instance_stops_cleanly_on_ctrl_c_and_sigterm_to_its_group(sig: signal.Signals) -> None:
+    """A terminal's Ctrl-C (and a supervisor's SIGTERM) reaches every process of the group: the
+    follower rank must not die of it before rank 0's orderly stop, which talks to it (that gave
+    three tracebacks and exit 1); rank 0 stops its engine, connector and followers, exit 0."""
+    env = {**os.environ, "UCX_NET_DEVICES": "lo", "KVLINK_SECRET": "ab" * 32}
+    port, kv_port = free_port(), free_port()
+    live = subprocess.Popen([*KVLINK, "serve", "--role", "decode", "--model", "tiny-hybrid", "--tp", "2",
+                             "--port", str(port), "--kv-port", str(kv_port), "--num-blocks", "32", "--threads", "1"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        assert live.stdout is not None
+        deadline = time.monotonic() + 120
+        seen = ""
+        while time.monotonic() < deadline and "instance serving" not in seen:
+            line = live.stdout.readline()
+            if not line and live.poll() is not None:
+                break
+            seen += line
+        assert "instance serving" in seen, seen[-3000:]
+        followers = subprocess.run(["pgrep", "-g", str(live.pid), "-f", "kvlink.engine.tp_worker"],
+                                   capture_output=True, text=True).stdout.split()
+        assert len(followers) == 1, followers
+        os.killpg(live.pid, sig)
+        assert live.wait(timeout=30) == 0
+        rest = live.stdout.read()
+        assert "Traceback" not in seen + rest, (seen + rest)[-3000:]
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{followers[0]}") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not os.path.exists(f"/proc/{followers[0]}"), "the follower rank outlived rank 0"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(live.pid, signal.SIGKILL)
+        live.wait(timeout=10)
