@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -27,6 +28,21 @@ def taken() -> Iterator[int]:
         s.bind(("127.0.0.1", 0))
         s.listen()
         yield s.getsockname()[1]
+
+
+def _output_until(proc: subprocess.Popen[str], needle: str | None, timeout_s: float) -> str:
+    """What `proc` wrote to its stdout pipe until `needle` appeared (None: until the pipe
+    closed), the pipe closed, or `timeout_s` passed (each read waits at most for what is left)."""
+    assert proc.stdout is not None
+    fd, seen, deadline = proc.stdout.fileno(), b"", time.monotonic() + timeout_s
+    while (needle is None or needle.encode() not in seen) and (left := deadline - time.monotonic()) > 0:
+        if not select.select([fd], [], [], left)[0]:
+            break
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        seen += chunk
+    return seen.decode(errors="replace")
 
 
 def _run(argv: list[str], limit_s: float = 30.0) -> subprocess.CompletedProcess[str]:
@@ -102,19 +118,13 @@ def test_proxy_refuses_a_taken_port_and_serves_once_it_listens(taken: int) -> No
     live = subprocess.Popen([*KVLINK, "proxy", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2",
                              "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        assert live.stdout is not None
-        deadline = time.monotonic() + 30
-        line = ""
-        while time.monotonic() < deadline and "kvlink proxy on" not in line:
-            line = live.stdout.readline()
-            if not line and live.poll() is not None:
-                break
+        line = _output_until(live, "kvlink proxy on", 30)
         assert f"kvlink proxy on http://127.0.0.1:{port}" in line
         with socket.create_connection(("127.0.0.1", port), timeout=2):
             pass  # listening by the time it said so
         live.send_signal(signal.SIGINT)  # Ctrl-C: a quiet exit 0, as before
         assert live.wait(timeout=15) == 0
-        rest = live.stdout.read()
+        rest = _output_until(live, None, 10)
         assert "Traceback" not in rest, rest
     finally:
         live.terminate()
@@ -138,21 +148,14 @@ def test_a_tp_instance_stops_cleanly_on_ctrl_c_and_sigterm_to_its_group(sig: sig
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
-        assert live.stdout is not None
-        deadline = time.monotonic() + 120
-        seen = ""
-        while time.monotonic() < deadline and "instance serving" not in seen:
-            line = live.stdout.readline()
-            if not line and live.poll() is not None:
-                break
-            seen += line
+        seen = _output_until(live, "instance serving", 120)
         assert "instance serving" in seen, seen[-3000:]
         followers = subprocess.run(["pgrep", "-g", str(live.pid), "-f", "kvlink.engine.tp_worker"],
                                    capture_output=True, text=True).stdout.split()
         assert len(followers) == 1, followers
         os.killpg(live.pid, sig)
         assert live.wait(timeout=30) == 0
-        rest = live.stdout.read()
+        rest = _output_until(live, None, 10)
         assert "Traceback" not in seen + rest, (seen + rest)[-3000:]
         deadline = time.monotonic() + 10
         while os.path.exists(f"/proc/{followers[0]}") and time.monotonic() < deadline:

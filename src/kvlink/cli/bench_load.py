@@ -140,15 +140,15 @@ def run(args: argparse.Namespace) -> int:
     print(f"kvlink bench load: model {args.model}, logs in {log_dir}")
     started = time.monotonic()
     try:
-        cluster.start(timeout_s=300)
-        print(f"{args.prefills}P{args.decodes}D + {cluster.spec.router} up in {time.monotonic() - started:.1f}s")
-        summary = _soak(cluster, args) if args.soak_minutes else _load(cluster, args)
+        try:
+            cluster.start(timeout_s=300)
+            print(f"{args.prefills}P{args.decodes}D + {cluster.spec.router} up in {time.monotonic() - started:.1f}s")
+            summary = _soak(cluster, args) if args.soak_minutes else _load(cluster, args)
+        finally:
+            cluster.stop()
     except KeyboardInterrupt:
-        cluster.stop()
         print("interrupted; every process was stopped", file=sys.stderr)
         return 130
-    finally:
-        cluster.stop()
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2))
     return 0 if summary.get("passed") else 1

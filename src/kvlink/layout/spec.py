@@ -243,9 +243,6 @@ class ModelSpec:
             tuple(pair) if isinstance(pair, (tuple, list)) else pair for pair in self.kv_scales))
         if not isinstance(self.dtype, str) or self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype {self.dtype!r} not supported; expected one of {sorted(DTYPE_BYTES)}")
-        bad = [g for g in self.layer_groups if not 0 <= g < len(self.groups)]
-        if bad:
-            raise ValueError(f"layer_groups names groups {bad} but the model has {len(self.groups)}")
         unused = set(range(len(self.groups))) - set(self.layer_groups)
         if unused:
             raise ValueError(f"groups {sorted(unused)} have no layers")

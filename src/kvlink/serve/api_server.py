@@ -129,12 +129,9 @@ def build_app(
         raw: Request, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
         requested_max_tokens: int | None,
     ) -> Response:
+        request_id = "(refused id)"  # for the log line of a refusal before the id is taken
         try:
             request_id = request_id_of(raw)
-        except APIError:
-            await release_prefilled(body, prompt_ids, "(refused id)")
-            raise
-        try:
             check_model(body.model, model_name)
             if role == "decode" and (body.kv_transfer_params or {}).get("do_remote_decode") is True:
                 # A decode instance is not asked for its KV: nothing would hand its blocks back
