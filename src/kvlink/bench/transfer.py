@@ -286,7 +286,7 @@ def run_bench(options: BenchOptions, log: Log = print) -> dict[str, Any]:
     log(f"kvlink bench transfer: {options.preset}, {sizes['layers']}/{sizes['model_layers']} layers, "
         f"TP {options.p_tp} -> {options.d_tp}, mode {options.mode}, block {options.block_size}, "
         f"pool {sizes['pool_blocks']} blocks = {sizes['side_bytes'] / 2**30:.2f} GiB per side, "
-        f"{token_bytes / 1024:.0f} KiB/token, KV in {_memory_words(options.memory)}, "
+        f"{token_bytes / 1024:g} KiB/token, KV in {_memory_words(options.memory)}, "
         f"verify-kv {options.verify_kv}")
     log(f"UCX_TLS={os.environ.get('UCX_TLS', '<unset: UCX default>')} "
         f"UCX_NET_DEVICES={os.environ.get('UCX_NET_DEVICES', '<unset>')}")
