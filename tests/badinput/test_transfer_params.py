@@ -249,6 +249,51 @@ def test_params_expire_with_the_lease_p_granted() -> None:
     assert not lenient.build_step_metadata().loads and not lenient.has_pending_work()
 
 
+def test_params_serve_one_request_a_replay_reads_nothing() -> None:
+    """P frees once D has read and may give the blocks to another request while the params
+    still look valid: a second request with the same params is refused like expired ones
+    (recompute: prefilled here, nothing read), the first may ask again, and the record
+    goes when the lease ends."""
+    clock = WallClock()
+    params = _p_params(SECRET, PROMPT, clock)
+    d = _d(SECRET, clock)
+    first = _View("d1", PROMPT, params)
+    d.on_new_request(first)  # type: ignore[arg-type]
+    d.on_new_request(first)  # the same request again (an engine re-entering it) is no replay
+    with pytest.raises(StaleTransferParams, match="already used by request 'd1'"):
+        d.on_new_request(_View("d2", PROMPT, params))  # type: ignore[arg-type]
+    lenient = _d(SECRET, clock, policy="recompute")
+    lenient.on_new_request(_View("a", PROMPT, params))  # type: ignore[arg-type]
+    replay = _View("b", PROMPT, params)
+    lenient.on_new_request(replay)  # type: ignore[arg-type]
+    assert lenient.get_num_new_matched_tokens(replay, 0) == (0, False)  # type: ignore[arg-type]
+    # other params of the same P request id (P issued them again) are another grant
+    again = _p_params(SECRET, PROMPT, WallClock(clock.now + 1))
+    d.on_new_request(_View("d3", PROMPT, again))  # type: ignore[arg-type]
+    clock.now += LEASE_S + 2  # past the leases the record is dropped; the params are expired anyway
+    with pytest.raises(StaleTransferParams, match="expired"):
+        d.on_new_request(_View("d4", PROMPT, params))  # type: ignore[arg-type]
+    d.on_new_request(_View("d5", PROMPT, _p_params(SECRET, PROMPT, clock)))  # type: ignore[arg-type]
+    assert len(d._used) == 1  # the expired records went with the next grant
+
+
+def test_the_replay_record_is_bounded() -> None:
+    from kvlink.connector.params import RemotePrefillParams
+    from kvlink.connector.replay import UsedParams
+
+    used = UsedParams(capacity=3)
+    grants = [RemotePrefillParams(do_remote_prefill=True, remote_engine_id="P", remote_request_id=f"r{i}",
+                                  remote_block_ids=[[i]], remote_host="h", remote_port=1, tp_size=1,
+                                  kv_expires_at_ms=10_000 + i) for i in range(5)]
+    for i, grant in enumerate(grants):
+        used.claim(grant, f"d{i}", now_s=1.0)
+    assert len(used) == 3  # the two whose leases end first were forgotten
+    with pytest.raises(StaleTransferParams):
+        used.claim(grants[4], "other", now_s=1.0)
+    with pytest.raises(ValueError, match="capacity"):
+        UsedParams(capacity=0)
+
+
 def test_forged_params_are_refused_even_under_recompute() -> None:
     params = _p_params(SECRET, PROMPT)
     with pytest.raises(ForbiddenTransferParams, match="kv_signature does not match"):
@@ -331,3 +376,16 @@ def test_layerwise_params_name_no_p_blocks() -> None:
         parse_remote_prefill({**base, "remote_block_ids": [[1, 2]]})
     with pytest.raises(InvalidTransferParams, match="must be one of pull, push, layerwise"):
         parse_remote_prefill({**base, "transfer_mode": "stream", "remote_block_ids": [[1]]})
+
+
+@pytest.mark.parametrize(("field", "value"), [("remote_engine_id", "E" * 257), ("remote_engine_id", "a\nb"),
+                                              ("remote_engine_id", ""), ("remote_host", "h" * 300)])
+def test_engine_ids_and_hosts_are_bounded(field: str, value: str) -> None:
+    """An engine id becomes a metrics label and a log word: at most 256 printable characters
+    (a 200,000-character id in forged layerwise params grew D's /metrics by 900 KB)."""
+    for mode in ("pull", "layerwise"):
+        params = {**VALID, "transfer_mode": mode, field: value}
+        if mode == "layerwise":
+            params.pop("remote_block_ids")
+        with pytest.raises(InvalidTransferParams, match=f"{field} must be 1 to 256 printable"):
+            parse_remote_prefill(params)

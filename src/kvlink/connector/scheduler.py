@@ -29,6 +29,7 @@ from kvlink.connector.params import (
     wants_remote_decode,
     wants_remote_prefill,
 )
+from kvlink.connector.replay import UsedParams
 from kvlink.connector.secret import require_secret
 from kvlink.layout.limits import TP, check
 from kvlink.layout.spec import ModelSpec, is_ssm
@@ -71,6 +72,7 @@ class NixlScheduler(ConnectorScheduler):
         self._step = StepMetadata()
         self._last_heartbeat = float("-inf")
         self._secret = require_secret(config.secret, config.insecure_unsigned_params, config.engine_id)
+        self._used = UsedParams()  # D: params a request took, refused to any other (replays)
 
     # ---- D side -------------------------------------------------------------------------
     def on_new_request(self, request: RequestView) -> None:
@@ -91,7 +93,9 @@ class NixlScheduler(ConnectorScheduler):
                 self._remote[request.request_id] = _RemoteRequest(params)
                 return
             try:
-                check_integrity(params, request.prompt_token_ids, self._secret, self._wall_clock())
+                now = self._wall_clock()
+                check_integrity(params, request.prompt_token_ids, self._secret, now)
+                self._used.claim(params, request.request_id, now)
             except StaleTransferParams as stale:
                 if self.load_failure_policy != "recompute":
                     raise
