@@ -48,3 +48,38 @@ def test_exporter_renders_per_engine_counters_and_gauges() -> None:
     stats.gauges["pending_sends"] = 0
     exporter.update(stats.take())
     assert "kvlink_pending_sends 0" in exporter.render()  # a gauge follows the level, down too
+
+
+def test_prometheus_numbers_are_exact_and_parse() -> None:
+    """Byte sums and bucket bounds past 1e6 print whole (`:g` rounded 81838080 to 8.18381e+07
+    and the 1 MiB bound to 1.04858e+06); the text parses as Prometheus exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    s = ConnectorStats()
+    s.record(TransferRecord("a", 0.002, 0.001, 81_838_080, 3))
+    s.gauges["pending_send_blocks"] = 12_345_678
+    exp = PrometheusExporter()
+    exp.update(s.take())
+    text = exp.render()
+    assert "kvlink_bytes_transferred_sum 81838080" in text
+    assert 'kvlink_bytes_transferred_bucket{le="1048576"} 0' in text
+    assert "kvlink_pending_send_blocks 12345678" in text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    (total,) = [x for x in families["kvlink_bytes_transferred"].samples if x.name.endswith("_sum")]
+    assert total.value == 81_838_080
+
+
+def test_per_engine_labels_are_bounded() -> None:
+    """A client naming made-up engines cannot grow the metrics without bound: past
+    `MAX_LABELLED_ENGINES` distinct engines the rest count under `other`."""
+    from kvlink.connector.stats import MAX_LABELLED_ENGINES, OTHER_ENGINES
+
+    stats = ConnectorStats()
+    for i in range(MAX_LABELLED_ENGINES + 50):
+        stats.count_engine("failed_handshakes_by_engine_total", f"E{i}")
+    stats.count_engine("handshakes_total", "E0")  # an engine already labelled keeps its label
+    rows = stats.take()["engine_counters"]
+    engines = {engine for _, engine, _ in rows}
+    assert len(engines) == MAX_LABELLED_ENGINES + 1 and OTHER_ENGINES in engines
+    assert ["failed_handshakes_by_engine_total", OTHER_ENGINES, 50] in rows
+    assert ["handshakes_total", "E0", 1] in rows

@@ -170,6 +170,20 @@ def test_a_colocated_engine_refuses_to_prefill_for_a_remote_decoder(hybrid: Tiny
     assert "p" not in outputs
 
 
+@pytest.mark.parametrize("flag", [True, "yes", 1, None])
+def test_a_colocated_engine_refuses_to_decode_from_a_remote_prefill(hybrid: TinyHybridModel, flag: object) -> None:
+    """A colocated engine given P's params (a router pointed at it as a decoder) refuses them:
+    it would prefill the prompt itself and never tell P, which would hold the blocks for its
+    whole lease."""
+    engine = LLMEngine(hybrid, 8, BLOCK, KERNEL_BLOCK)
+    params = {"do_remote_prefill": flag, "remote_engine_id": "P", "remote_block_ids": [[0]]}
+    with pytest.raises(ValueError, match=r"do_remote_prefill .*no KV connector"):
+        engine.add_request("d", prompt(70, 6), SamplingParams(max_tokens=2), params)
+    engine.add_request("plain", prompt(70, 6), SamplingParams(max_tokens=2), {"do_remote_prefill": False})
+    outputs = run_all(engine)
+    assert len(tokens_of(outputs["plain"])) == 2 and "d" not in outputs
+
+
 @pytest.mark.parametrize("chunk", [1, 3, 8, 13])
 def test_chunked_prefill_equals_the_reference_and_decodes_between_chunks(hybrid: TinyHybridModel,
                                                                          chunk: int) -> None:

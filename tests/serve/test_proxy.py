@@ -96,6 +96,9 @@ def test_prefill_params_are_forwarded_to_decode(pd: tuple[str, FakeEngine, FakeE
     metrics = httpx.get(f"{proxy_url}/metrics").text
     assert "kvlink_proxy_prefill_seconds_count 1" in metrics
     assert 'kvlink_proxy_requests_total{outcome="ok"} 1' in metrics
+    # one metric, one TYPE line: both pools' upstreams under it (promtool refuses a second)
+    assert metrics.count("# TYPE kvlink_proxy_upstream_in_flight gauge") == 1
+    assert metrics.count("kvlink_proxy_upstream_in_flight{") == 2
 
 
 def test_stream_is_passed_through_from_decode(pd: tuple[str, FakeEngine, FakeEngine]) -> None:
@@ -212,6 +215,28 @@ def test_upstream_statuses_are_passed_on_or_translated(
     assert error["code"] == expected_code and bad_url in error["message"], error
     assert response.headers.get("retry-after") == retry_after
     assert f'kvlink_proxy_requests_total{{outcome="{expected_code}"}} 1' in metrics
+
+
+@pytest.mark.parametrize(("p_role", "d_role", "failed_side"), [("decode", "decode", "prefill"),
+                                                              ("both", "decode", "prefill"),
+                                                              ("prefill", "both", "decode")])
+def test_an_upstream_of_the_wrong_role_is_a_502_naming_the_role_not_the_clients_400(
+        p_role: str, d_role: str, failed_side: str) -> None:
+    """The params an upstream refuses are the ones the proxy wrote: a proxy pointed at an
+    instance of the wrong role answers 502 `<side>_failed` naming the role it needs (a 400
+    on `kv_transfer_params` would blame the client, who sent none). A colocated instance
+    given P's params refuses them instead of prefilling unseen while P holds the blocks."""
+    p_engine, d_engine = FakeEngine(), FakeEngine()
+    with ExitStack() as stack:
+        p_url = stack.enter_context(fake_instance(p_role, p_engine))
+        d_url = stack.enter_context(fake_instance(d_role, d_engine))
+        proxy = stack.enter_context(serve_in_thread(build_proxy_app([p_url], [d_url], timeout_s=5.0)))
+        response = httpx.post(f"{proxy}/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=10)
+    assert response.status_code == 502, response.text
+    error = response.json()["error"]
+    assert error["code"] == f"{failed_side}_failed" and f"--role {failed_side}" in error["message"], error
+    # nothing ran on D: at most a refused request entered and aborted at once to free P's blocks
+    assert all(rid.startswith("refused-") and rid in d_engine.aborted for rid in d_engine.seen), d_engine
 
 
 def test_unknown_model_through_the_proxy_is_404_from_p(pd: tuple[str, FakeEngine, FakeEngine]) -> None:

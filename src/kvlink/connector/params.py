@@ -57,6 +57,8 @@ class RemotePrefillParams(msgspec.Struct, forbid_unknown_fields=False):
 
 
 TRANSFER_MODES = ("pull", "push", "layerwise")
+# An engine id names P in D's metrics labels and logs; a host name is at most 253 characters.
+MAX_ENGINE_ID_CHARS = 256
 
 
 def _normalize_block_ids(raw: Any) -> Any:
@@ -90,6 +92,11 @@ def parse_remote_prefill(params: dict[str, Any]) -> RemotePrefillParams:
     if not parsed.remote_request_id or len(parsed.remote_request_id.encode()) > MAX_REQUEST_ID_BYTES:
         raise InvalidTransferParams(f"kv_transfer_params.remote_request_id must be 1 to {MAX_REQUEST_ID_BYTES} "
                                     f"bytes, got {len(parsed.remote_request_id.encode())}")
+    for name in ("remote_engine_id", "remote_host"):
+        value = getattr(parsed, name)
+        if not value or len(value) > MAX_ENGINE_ID_CHARS or not value.isprintable():
+            raise InvalidTransferParams(f"kv_transfer_params.{name} must be 1 to {MAX_ENGINE_ID_CHARS} "
+                                        f"printable characters, got {len(value)}")
     if not 0 < parsed.remote_port < 65536:
         raise InvalidTransferParams(f"kv_transfer_params.remote_port {parsed.remote_port} is not a TCP port")
     if not 0 < parsed.tp_size <= 1024:

@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+# Remote engines with a label of their own in the per-engine counters; the rest share one.
+MAX_LABELLED_ENGINES = 64
+OTHER_ENGINES = "other"
 
 
 @dataclass
@@ -56,8 +59,16 @@ class ConnectorStats:
     engine_counters: dict[tuple[str, str], int] = field(default_factory=dict)
     # Levels right now, set by the worker at each `get_stats` (e.g. requests P holds for D).
     gauges: dict[str, float] = field(default_factory=dict)
+    _engines: set[str] = field(default_factory=set)  # the remote engines with a label of their own
 
     def count_engine(self, name: str, engine_id: str, n: int = 1) -> None:
+        """Count under a remote engine's label; past `MAX_LABELLED_ENGINES` distinct engines
+        (a client naming made-up engines) further ones count under `other`."""
+        if engine_id not in self._engines:
+            if len(self._engines) >= MAX_LABELLED_ENGINES:
+                engine_id = OTHER_ENGINES
+            else:
+                self._engines.add(engine_id)
         self.engine_counters[(name, engine_id)] = self.engine_counters.get((name, engine_id), 0) + n
 
     def record(self, rec: TransferRecord) -> None:
@@ -134,19 +145,27 @@ class PrometheusExporter:
         for name, rows in by_name.items():
             full = f"{self.prefix}_{name}"
             lines.append(f"# TYPE {full} counter")
-            lines += [f'{full}{{remote_engine="{_label(engine)}"}} {value}' for engine, value in rows]
+            lines += [f'{full}{{remote_engine="{prom_label(engine)}"}} {value}' for engine, value in rows]
         for name, gauge in sorted(self.gauges.items()):
             full = f"{self.prefix}_{name}"
-            lines += [f"# TYPE {full} gauge", f"{full} {gauge:g}"]
+            lines += [f"# TYPE {full} gauge", f"{full} {prom_number(gauge)}"]
         for name, h in self.hist.items():
             full = f"{self.prefix}_{name}"
             lines.append(f"# TYPE {full} histogram")
             for edge, c in zip(h.buckets, h.counts, strict=True):
-                lines.append(f'{full}_bucket{{le="{edge:g}"}} {c}')
-            lines += [f'{full}_bucket{{le="+Inf"}} {h.n}', f"{full}_sum {h.total:g}", f"{full}_count {h.n}"]
+                lines.append(f'{full}_bucket{{le="{prom_number(edge)}"}} {c}')
+            lines += [f'{full}_bucket{{le="+Inf"}} {h.n}', f"{full}_sum {prom_number(h.total)}", f"{full}_count {h.n}"]
         return "\n".join(lines) + "\n"
 
 
-def _label(value: str) -> str:
+def prom_number(value: float) -> str:
+    """A sample value or bucket bound in Prometheus text: exact for whole numbers (byte
+    counts pass 1e6 quickly, where `:g` would round them), else Python's shortest repr."""
+    if float(value).is_integer():
+        return str(int(value))
+    return repr(float(value))
+
+
+def prom_label(value: str) -> str:
     """A Prometheus label value: backslashes, quotes and newlines escaped."""
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

@@ -96,6 +96,13 @@ class LLMEngine:
                 f"request {request_id!r}: kv_transfer_params.do_remote_decode asks for a prefill whose KV "
                 f"a remote decode instance reads, but this engine has no KV connector (it serves "
                 f"colocated); send it to a prefill instance, or drop kv_transfer_params")
+        if self.connector is None and kv_transfer_params and kv_transfer_params.get("do_remote_prefill", False) is not False:
+            # Colocated: it would prefill the prompt itself and never tell P, which then holds
+            # the blocks for its whole lease.
+            raise ValueError(
+                f"request {request_id!r}: kv_transfer_params.do_remote_prefill asks to read the prompt's KV "
+                f"from a prefill instance, but this engine has no KV connector (it serves colocated); "
+                f"send it to a decode instance, or drop kv_transfer_params")
         request = Request(request_id, list(prompt_token_ids), params, kv_transfer_params)
         if self.connector is not None:
             # May refuse bad kv_transfer_params; the request must not be registered then.

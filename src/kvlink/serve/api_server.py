@@ -139,6 +139,15 @@ def build_app(
                 raise APIError(400, "kv_transfer_params.do_remote_decode asks for a prefill whose KV a "
                                     "decode instance reads; this is a decode instance: send it to a "
                                     "--role prefill instance", "invalid_value", param="kv_transfer_params")
+            if role not in ("prefill", "decode") and any(
+                    (body.kv_transfer_params or {}).get(flag, False) is not False
+                    for flag in ("do_remote_decode", "do_remote_prefill")):
+                # The engine refuses them too; here the refusal names the field, so a router
+                # can tell a misconfigured upstream from a client's bad request.
+                raise APIError(400, "kv_transfer_params ask for prefill/decode disaggregation, but this "
+                                    "instance serves colocated (no KV connector): send them to a --role "
+                                    "prefill or --role decode instance, or drop kv_transfer_params",
+                               "invalid_value", param="kv_transfer_params")
             max_tokens = token_budget(len(prompt_ids), requested_max_tokens, max_model_len)
             if body.min_tokens > max_tokens:
                 raise APIError(400, f"min_tokens={body.min_tokens} is more than the {max_tokens} tokens this "

@@ -9,6 +9,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping
 
+from kvlink.connector.stats import prom_label, prom_number
+
 LATENCY_BUCKETS_S = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )
@@ -17,7 +19,7 @@ LATENCY_BUCKETS_S = (
 def _labels(labels: Mapping[str, str]) -> str:
     if not labels:
         return ""
-    inner = ",".join(f'{key}="{value}"' for key, value in sorted(labels.items()))
+    inner = ",".join(f'{key}="{prom_label(value)}"' for key, value in sorted(labels.items()))
     return "{" + inner + "}"
 
 
@@ -40,9 +42,9 @@ class Histogram:
     def render(self, name: str) -> list[str]:
         lines = [f"# TYPE {name} histogram"]
         for edge, count in zip(self.buckets, self.counts, strict=True):
-            lines.append(f'{name}_bucket{{le="{edge:g}"}} {count}')
+            lines.append(f'{name}_bucket{{le="{prom_number(edge)}"}} {count}')
         lines.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
-        lines.append(f"{name}_sum {_number(self.total)}")
+        lines.append(f"{name}_sum {prom_number(self.total)}")
         lines.append(f"{name}_count {self.count}")
         return lines
 
@@ -90,23 +92,16 @@ class MetricsRegistry:
                 if full not in typed:
                     lines.append(f"# TYPE {full} counter")
                     typed.add(full)
-                lines.append(f"{full}{_labels(dict(labels))} {_number(value)}")
+                lines.append(f"{full}{_labels(dict(labels))} {prom_number(value)}")
             for name, histogram in sorted(self._histograms.items()):
                 lines += histogram.render(f"{self.prefix}_{name}")
         for name, read in sorted(self.gauges.items()):
             full = f"{self.prefix}_{name}"
-            lines += [f"# TYPE {full} gauge", f"{full} {_number(read())}"]
+            lines += [f"# TYPE {full} gauge", f"{full} {prom_number(read())}"]
         text = "\n".join(lines) + "\n"
         for fragment in self.fragments:
             text += fragment()
         return text
-
-
-def _number(value: float) -> str:
-    """Exact for whole numbers (byte counters pass 1e6 quickly; `:g` would round them)."""
-    if float(value).is_integer():
-        return str(int(value))
-    return repr(float(value))
 
 
 def render_stats_gauges(prefix: str, stats: Mapping[str, object]) -> str:
@@ -118,11 +113,11 @@ def render_stats_gauges(prefix: str, stats: Mapping[str, object]) -> str:
         if isinstance(value, bool):
             value = int(value)
         if isinstance(value, (int, float)):
-            lines += [f"# TYPE {full} gauge", f"{full} {_number(value)}"]
+            lines += [f"# TYPE {full} gauge", f"{full} {prom_number(value)}"]
         elif isinstance(value, (Mapping, list, tuple)):
             items = value.items() if isinstance(value, Mapping) else enumerate(value)
             numeric = {k: v for k, v in items if isinstance(v, (int, float))}
             if numeric:
                 lines.append(f"# TYPE {full} gauge")
-                lines += [f'{full}{{key="{k}"}} {_number(v)}' for k, v in sorted(numeric.items(), key=str)]
+                lines += [f'{full}{{key="{prom_label(str(k))}"}} {prom_number(v)}' for k, v in sorted(numeric.items(), key=str)]
     return "\n".join(lines) + "\n" if lines else ""

@@ -35,6 +35,7 @@ from kvlink.serve.upstream import (
     KEEPALIVE_EXPIRY_S,
     Instance,
     InstancePool,
+    render_pools,
     status_error,
     transport_error,
 )
@@ -165,7 +166,7 @@ def build_proxy_app(
     prefill = InstancePool.of("prefill", prefill_urls)
     decode = InstancePool.of("decode", decode_urls)
     metrics = MetricsRegistry("kvlink_proxy")
-    metrics.fragments += [lambda: prefill.render("kvlink_proxy"), lambda: decode.render("kvlink_proxy")]
+    metrics.fragments.append(lambda: render_pools("kvlink_proxy", (prefill, decode)))
     timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
     # Reusing an idle connection the server is closing at that very moment loses the request
     # ("server disconnected without sending a response"): see KEEPALIVE_EXPIRY_S.

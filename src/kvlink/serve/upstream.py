@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
+from kvlink.connector.stats import prom_label
 from kvlink.serve.errors import APIError
 
 # A client may reuse an idle connection only while the server surely keeps it open, so the
@@ -70,11 +71,16 @@ class InstancePool:
     def describe(self) -> list[dict[str, Any]]:
         return [vars(instance).copy() for instance in self.instances]
 
-    def render(self, prefix: str) -> str:
-        name = f"{prefix}_upstream_in_flight"
-        lines = [f"# TYPE {name} gauge"]
-        lines += [f'{name}{{side="{self.side}",url="{i.url}"}} {i.in_flight}' for i in self.instances]
-        return "\n".join(lines) + "\n"
+    def samples(self, name: str) -> list[str]:
+        return [f'{name}{{side="{prom_label(self.side)}",url="{prom_label(i.url)}"}} {i.in_flight}'
+                for i in self.instances]
+
+
+def render_pools(prefix: str, pools: Sequence[InstancePool]) -> str:
+    """Requests in flight per upstream, every pool under one metric (one TYPE line)."""
+    name = f"{prefix}_upstream_in_flight"
+    lines = [f"# TYPE {name} gauge"] + [line for pool in pools for line in pool.samples(name)]
+    return "\n".join(lines) + "\n"
 
 
 def upstream_message(response: httpx.Response) -> str:
@@ -132,6 +138,13 @@ def _status_error(side: str, url: str, response: httpx.Response) -> APIError:
             502, f"decode instance {url} could not load the KV cache the prefill instance "
                  f"prepared (is the prefill instance still up?): {message}",
             "decode_kv_load_failed",
+        )
+    if status < 500 and param == "kv_transfer_params":
+        # The proxy wrote these params (the client's never pass): the upstream is not what
+        # its side needs, a configuration fault, not the client's.
+        return APIError(
+            502, f"{side} instance {url} refused the kv_transfer_params the proxy sent it (HTTP "
+                 f"{status}): {message}; is it running with --role {side}?", f"{side}_failed",
         )
     if status < 500:
         return APIError(
