@@ -41,10 +41,32 @@ def test_unknown_keys_are_refused_with_the_known_ones() -> None:
 @pytest.mark.parametrize("extra", [
     {"lease_s": -1}, {"lease_s": 10**9}, {"side_channel_port": 70000}, {"side_channel_port": 0},
     {"transfer_mode": "sideways"}, {"secret": ""}, {"secret": 5}, {"lease_s": "long"},
+    # a string is not a boolean: "false" read as true turned signing off
+    {"insecure_unsigned_params": "false"}, {"separate_notifier": "no"}, {"separate_notifier": 0},
+    {"incarnation": 5}, {"incarnation": ""}, {"secret": "abc"}, {"secret": " " + "x" * 15 + " "},
+    {"transfer_mode": "layerwise"},
 ])
 def test_bad_values_are_refused(extra: dict[str, object]) -> None:
     with pytest.raises(BadExtraConfig, match="kvlink"):
         connector_config(extra, engine_id="e", load_failure_policy="fail")
+
+
+def test_a_short_secret_from_the_environment_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvlink.connector.scheduler import NixlScheduler
+    from kvlink.connector.secret import MissingSecret
+
+    monkeypatch.setenv("KVLINK_SECRET", "abc")
+    config = connector_config({}, engine_id="e", load_failure_policy="fail")
+    with pytest.raises(MissingSecret, match="3 bytes; it must be at least 16"):
+        NixlScheduler(config, tp_size=1)
+    monkeypatch.setenv("KVLINK_SECRET", "x" * 16)
+    NixlScheduler(config, tp_size=1)
+
+
+def test_insecure_mode_is_logged(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.delenv("KVLINK_SECRET", raising=False)
+    connector_config({"insecure_unsigned_params": True}, engine_id="e", load_failure_policy="fail")
+    assert "NOT signed" in caplog.text
 
 
 def test_kv_integrity_options() -> None:

@@ -78,6 +78,14 @@ class ConnectorConfig:
             raise ValueError(f"layerwise_wait_s must be > 0, got {self.layerwise_wait_s}")
         if self.verify_kv not in VERIFY_MODES:
             raise ValueError(f"verify_kv must be 'off', 'sample' or 'full', got {self.verify_kv!r}")
+        for name in ("separate_notifier", "insecure_unsigned_params"):
+            # a string such as "false" would read as true (insecure_unsigned_params: signing off)
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false (a JSON boolean), got {getattr(self, name)!r}")
+        if self.incarnation is not None and (not isinstance(self.incarnation, str) or not self.incarnation):
+            raise ValueError(f"incarnation must be a non-empty string, got {self.incarnation!r}")
+        if self.secret is not None and not isinstance(self.secret, bytes):
+            raise ValueError(f"secret must be bytes, got {type(self.secret).__name__}")
 
     @property
     def heartbeat_interval_s(self) -> float:

@@ -19,7 +19,8 @@ from kvlink.transfer.framing import SECRET_ENV, resolve_secret
 MIN_SECRET_BYTES = 16
 HOW_TO_SET = (
     f"set the same secret on every prefill and decode instance: {SECRET_ENV}=<random string> in "
-    "the environment, or `--secret-file PATH` (the file's contents) for `kvlink serve` "
+    "the environment, or `--secret-file PATH` (the file's contents) for `kvlink serve`, or "
+    "`secret_file` / `secret` in vLLM's kv_connector_extra_config "
     f"(make one with: python -c 'import secrets; print(secrets.token_hex(32))'); at least "
     f"{MIN_SECRET_BYTES} bytes"
 )
@@ -76,5 +77,10 @@ def require_secret(secret: bytes | None, insecure_unsigned_params: bool, engine_
         raise MissingSecret(
             f"connector {engine_id!r} has no shared secret, so it could neither sign nor check "
             f"kv_transfer_params; {HOW_TO_SET}. To run without one on a fully trusted network, "
-            "pass --insecure-unsigned-params (ConnectorConfig.insecure_unsigned_params=True)")
+            "pass --insecure-unsigned-params to `kvlink serve`, or set insecure_unsigned_params: true "
+            "in vLLM's kv_connector_extra_config (ConnectorConfig.insecure_unsigned_params=True)")
+    if resolved is not None and len(resolved.strip()) < MIN_SECRET_BYTES:
+        raise MissingSecret(
+            f"connector {engine_id!r}: the shared secret has {len(resolved.strip())} bytes; it must be "
+            f"at least {MIN_SECRET_BYTES} bytes (random); {HOW_TO_SET}")
     return resolved

@@ -6,12 +6,16 @@ Pure: imports no vLLM, so the mapping is unit-tested without an engine.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvlink.connector.config import ConnectorConfig
-from kvlink.connector.secret import load_secret
+from kvlink.connector.secret import INSECURE_WARNING, MIN_SECRET_BYTES, load_secret
 from kvlink.transfer.agent_config import AgentConfig
+from kvlink.transfer.framing import resolve_secret
+
+log = logging.getLogger("kvlink.connector")
 
 # Set by the integration from vLLM's own config, never from the extra config.
 _FROM_VLLM = ("engine_id", "load_failure_policy")
@@ -126,6 +130,13 @@ def connector_config(
         if not isinstance(secret, str) or not secret.strip():
             raise BadExtraConfig("kvlink: secret must be a non-empty string")
         values["secret"] = secret.strip().encode()
+        if len(values["secret"]) < MIN_SECRET_BYTES:
+            raise BadExtraConfig(f"kvlink: secret has {len(values['secret'])} bytes; it must be at least "
+                                 f"{MIN_SECRET_BYTES} bytes (random)")
+    if values.get("transfer_mode") == "layerwise":
+        raise BadExtraConfig("kvlink: transfer_mode layerwise is chosen per request (kvlink proxy --mode "
+                             "layerwise sends kv_transfer_params.transfer_mode), not as an engine default; "
+                             "use pull or push here")
     values.setdefault("side_channel_port", DEFAULT_SIDE_CHANNEL_PORT)
     if values["side_channel_port"] == 0:
         raise BadExtraConfig(
@@ -135,7 +146,10 @@ def connector_config(
         if key in values and type(values[key]) is int:
             values[key] = float(values[key])
     try:
-        return ConnectorConfig(engine_id=engine_id, load_failure_policy=load_failure_policy,  # type: ignore[arg-type]
-                               **values)
+        config = ConnectorConfig(engine_id=engine_id, load_failure_policy=load_failure_policy,  # type: ignore[arg-type]
+                                 **values)
     except (TypeError, ValueError) as exc:
         raise BadExtraConfig(f"kvlink: bad kv_connector_extra_config: {exc}") from None
+    if config.insecure_unsigned_params and resolve_secret(config.secret) is None:
+        log.warning("kvlink: %s", INSECURE_WARNING)
+    return config
