@@ -215,6 +215,7 @@ def test_upstream_statuses_are_passed_on_or_translated(
     assert error["code"] == expected_code and bad_url in error["message"], error
     assert response.headers.get("retry-after") == retry_after
     assert f'kvlink_proxy_requests_total{{outcome="{expected_code}"}} 1' in metrics
+    assert "kvlink_proxy_total_seconds_count 1" in metrics  # a failed request is timed too
 
 
 @pytest.mark.parametrize(("p_role", "d_role", "failed_side"), [("decode", "decode", "prefill"),

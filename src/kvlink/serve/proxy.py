@@ -196,6 +196,7 @@ def build_proxy_app(
 
     def log_request(request_id: str, prefill_s: float | None, decode_url: str | None,
                     started: float, outcome: str) -> None:
+        metrics.observe("total_seconds", time.monotonic() - started)  # every request, any outcome
         prefill = "-" if prefill_s is None else f"{prefill_s * 1e3:.1f}ms"
         logger.info("request %s prefill=%s decode=%s total=%.1fms outcome=%s", request_id, prefill,
                     decode_url or "-", (time.monotonic() - started) * 1e3, outcome)
@@ -321,7 +322,6 @@ def build_proxy_app(
                 with anyio.CancelScope(shield=True):
                     await response.aclose()
                 decode.release(instance)
-                metrics.observe("total_seconds", time.monotonic() - started)
                 log_request(request_id, prefill_s, instance.url, started, outcome)
 
         return StreamingResponse(passthrough(), media_type="text/event-stream",
@@ -482,7 +482,6 @@ def build_proxy_app(
             log_request(request_id, prefill_s, decode_url, started,
                         f"{error.code or 'error'} ({error.message})")
             raise
-        metrics.observe("total_seconds", time.monotonic() - started)
         metrics.inc("requests_total", outcome="ok")
         log_request(request_id, prefill_s, decode_url, started, "ok")
         figures = answer.get("kvlink")
