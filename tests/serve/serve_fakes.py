@@ -64,6 +64,8 @@ class FakeEngine:
     # When set, add_request announces itself in `adding` and waits for `add_gate` (5 s at most).
     add_gate: threading.Event | None = None
     adding: threading.Event = field(default_factory=threading.Event)
+    # As LLMEngine without a connector: P's or D's kv_transfer_params are refused.
+    colocated: bool = False
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: Any,
                     kv_transfer_params: dict[str, Any] | None = None) -> None:
@@ -71,6 +73,9 @@ class FakeEngine:
         if self.add_gate is not None:
             self.adding.set()
             self.add_gate.wait(5)
+        if self.colocated and kv_transfer_params:
+            from kvlink.connector.params import InvalidTransferParams
+            raise InvalidTransferParams("kv_transfer_params ask for a KV connector; this engine serves colocated")
         if kv_transfer_params is not None and "do_remote_decode" not in kv_transfer_params \
                 and "do_remote_prefill" not in kv_transfer_params:
             raise ValueError(f"kv_transfer_params has no known mode: {sorted(kv_transfer_params)}")

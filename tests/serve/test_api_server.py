@@ -248,3 +248,26 @@ def test_client_gone_before_non_stream_answer_aborts_the_request(
             assert time.monotonic() < deadline, "the request kept running after its client left"
             time.sleep(0.05)
     assert not fake_engine.running
+
+
+def test_metrics_keep_the_engine_gauges_while_the_engine_is_busy(fake_app: Any, fake_engine: FakeEngine) -> None:
+    """A scrape while the engine thread is inside a long step (here: held in add_request)
+    answers within about half a second with the last engine gauges and their age, instead of
+    waiting up to 5 s and leaving the gauges out."""
+    with TestClient(fake_app) as client:
+        assert 'kvlink_server_engine_free_blocks{key="0"} 100' in client.get("/metrics").text
+        fake_engine.add_gate = threading.Event()
+        held = threading.Thread(target=lambda: client.post("/v1/completions", json={"prompt": "hi"}))
+        held.start()
+        try:
+            assert fake_engine.adding.wait(5)
+            started = time.monotonic()
+            busy = client.get("/metrics").text
+            waited = time.monotonic() - started
+        finally:
+            fake_engine.add_gate.set()
+            held.join(10)
+    assert waited < 3.0, waited  # bounded by the scrape's wait, not the engine's step
+    assert 'kvlink_server_engine_free_blocks{key="0"} 100' in busy
+    age = [line for line in busy.splitlines() if line.startswith("kvlink_server_engine_stats_age_seconds ")]
+    assert len(age) == 1 and float(age[0].split()[1]) >= 0.4

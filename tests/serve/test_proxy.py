@@ -227,7 +227,7 @@ def test_an_upstream_of_the_wrong_role_is_a_502_naming_the_role_not_the_clients_
     instance of the wrong role answers 502 `<side>_failed` naming the role it needs (a 400
     on `kv_transfer_params` would blame the client, who sent none). A colocated instance
     given P's params refuses them instead of prefilling unseen while P holds the blocks."""
-    p_engine, d_engine = FakeEngine(), FakeEngine()
+    p_engine, d_engine = FakeEngine(colocated=p_role == "both"), FakeEngine(colocated=d_role == "both")
     with ExitStack() as stack:
         p_url = stack.enter_context(fake_instance(p_role, p_engine))
         d_url = stack.enter_context(fake_instance(d_role, d_engine))

@@ -16,6 +16,7 @@ from kvlink.connector.api import (
     LoadFailurePolicy,
     WorkerOutput,
 )
+from kvlink.connector.params import InvalidTransferParams
 from kvlink.engine.block_pool import BlockPool
 from kvlink.engine.kv_cache import allocate_kv_caches, register_with
 from kvlink.engine.model.base import PagedModel
@@ -92,14 +93,14 @@ class LLMEngine:
         if self.connector is None and kv_transfer_params and kv_transfer_params.get("do_remote_decode", False) is not False:
             # Colocated: nothing would keep this request's KV for a decoder; answering it would
             # give an empty completion and no params, which a router passes on as if it were P's.
-            raise ValueError(
+            raise InvalidTransferParams(
                 f"request {request_id!r}: kv_transfer_params.do_remote_decode asks for a prefill whose KV "
                 f"a remote decode instance reads, but this engine has no KV connector (it serves "
                 f"colocated); send it to a prefill instance, or drop kv_transfer_params")
         if self.connector is None and kv_transfer_params and kv_transfer_params.get("do_remote_prefill", False) is not False:
             # Colocated: it would prefill the prompt itself and never tell P, which then holds
             # the blocks for its whole lease.
-            raise ValueError(
+            raise InvalidTransferParams(
                 f"request {request_id!r}: kv_transfer_params.do_remote_prefill asks to read the prompt's KV "
                 f"from a prefill instance, but this engine has no KV connector (it serves colocated); "
                 f"send it to a decode instance, or drop kv_transfer_params")

@@ -5,13 +5,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from kvlink.connector.params import ForbiddenTransferParams, wants_remote_prefill
+from kvlink.connector.params import (
+    ForbiddenTransferParams,
+    InvalidTransferParams,
+    wants_remote_prefill,
+)
 from kvlink.serve import memory
 from kvlink.serve.body_limit import limit_bodies
 from kvlink.serve.disconnect import unless_disconnected
@@ -27,6 +32,7 @@ from kvlink.serve.responses import Kind, ResponseShape, sse
 logger = logging.getLogger("kvlink.serve")
 SamplingFactory = Callable[..., Any]
 _STATS_TIMEOUT_S = 5.0
+_SCRAPE_WAIT_S = 0.5  # how long /metrics waits for the engine's stats before serving the last ones
 
 
 def engine_sampling_params() -> SamplingFactory:
@@ -57,7 +63,9 @@ def _as_api_error(error: Exception) -> APIError:
         return error
     if isinstance(error, ForbiddenTransferParams):  # unsigned, altered or stale: nothing was read
         return APIError(403, str(error), "forbidden_kv_transfer_params")
-    if isinstance(error, ValueError):  # add_request refused the input (incl. kv_transfer_params)
+    if isinstance(error, InvalidTransferParams):  # named: a router tells these from the client's faults
+        return APIError(400, str(error), "invalid_value", param="kv_transfer_params")
+    if isinstance(error, ValueError):  # add_request refused the input
         return APIError(400, str(error), "invalid_value")
     if isinstance(error, EngineOverloaded):
         return APIError(503, str(error), "engine_overloaded", retry_after_s=RETRY_AFTER_OVERLOADED_S)
@@ -139,15 +147,6 @@ def build_app(
                 raise APIError(400, "kv_transfer_params.do_remote_decode asks for a prefill whose KV a "
                                     "decode instance reads; this is a decode instance: send it to a "
                                     "--role prefill instance", "invalid_value", param="kv_transfer_params")
-            if role not in ("prefill", "decode") and any(
-                    (body.kv_transfer_params or {}).get(flag, False) is not False
-                    for flag in ("do_remote_decode", "do_remote_prefill")):
-                # The engine refuses them too; here the refusal names the field, so a router
-                # can tell a misconfigured upstream from a client's bad request.
-                raise APIError(400, "kv_transfer_params ask for prefill/decode disaggregation, but this "
-                                    "instance serves colocated (no KV connector): send them to a --role "
-                                    "prefill or --role decode instance, or drop kv_transfer_params",
-                               "invalid_value", param="kv_transfer_params")
             max_tokens = token_budget(len(prompt_ids), requested_max_tokens, max_model_len)
             if body.min_tokens > max_tokens:
                 raise APIError(400, f"min_tokens={body.min_tokens} is more than the {max_tokens} tokens this "
@@ -242,14 +241,32 @@ def build_app(
             answer["warnings"] = list(warnings)
         return JSONResponse(answer)
 
+    # The engine answers stats between steps; a long prefill step would hold a scrape (and
+    # drop the engine's gauges). A scrape waits briefly for fresh stats, else serves the last
+    # ones with their age, while the asked-for stats land for the next scrape.
+    engine_stats: dict[str, Any] = {"last": None, "at": 0.0, "asking": None}
+
+    async def fresh_stats() -> None:
+        try:
+            stats = await asyncio.wait_for(engine.stats(), _STATS_TIMEOUT_S * 12)
+        except Exception:  # the engine is gone or stuck: the scrape shows no engine gauges
+            engine_stats["last"] = None
+            return
+        engine_stats["last"], engine_stats["at"] = stats, time.monotonic()
+
     @app.get("/metrics")
     async def prometheus() -> Response:
         text = metrics.render()
-        try:
-            stats = await asyncio.wait_for(engine.stats(), _STATS_TIMEOUT_S)
-            text += render_stats_gauges(f"{metrics.prefix}_engine", stats)
-        except Exception:  # metrics must render even while the engine is busy or gone
-            pass
+        asking = engine_stats["asking"]
+        if asking is None or asking.done():
+            asking = engine_stats["asking"] = asyncio.ensure_future(fresh_stats())
+        # metrics must render even while the engine is busy or gone
+        await asyncio.wait({asking}, timeout=_SCRAPE_WAIT_S)
+        if engine_stats["last"] is not None and engine.alive:
+            prefix = f"{metrics.prefix}_engine"
+            text += render_stats_gauges(prefix, engine_stats["last"])
+            age = time.monotonic() - engine_stats["at"]
+            text += f"# TYPE {prefix}_stats_age_seconds gauge\n{prefix}_stats_age_seconds {age:.3f}\n"
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.get("/debug/state")
