@@ -329,3 +329,18 @@ def test_a_check_that_cannot_be_planned_fails_its_load_and_every_digest_slot_com
         assert d.stats.counters["kv_verified_units_total"] > 0
         started = {t.name for t in threading.enumerate() if t.name.startswith("kvlink-verify")} - helper_threads
         assert bool(started) == (cores > 1)
+
+
+def test_a_side_channel_port_in_use_is_named_as_kvlinks_setting() -> None:
+    """A port already taken fails registration naming side_channel_port (inside vLLM, the
+    bare "Address already in use" read as vLLM's own --port)."""
+    model = TINY_HYBRID
+    mem = real_worker(model, 1, 0, 16, 16, 32, seed=3)
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        worker = NixlWorker(ConnectorConfig("P", side_channel_port=port, verify_kv="off"), model, 1, 0, 16, 16, 32)
+        try:
+            with pytest.raises(OSError, match=rf"side_channel_port {port} \+ TP rank 0 = port {port}\) cannot listen"):
+                worker.register_kv_caches(*region_sizes(mem))
+        finally:
+            worker.shutdown()

@@ -122,8 +122,14 @@ class NixlWorker(ConnectorWorker):
             self.sealer = Sealer(table, self.memory, self.stats, self.faults)
             self.digest_slots = DigestSlotPools(agent, geometry.device_id, DIGEST_SLOTS)
         port = self.config.side_channel_port + self.tp_rank if self.config.side_channel_port else 0
-        server = HandshakeServer(self.config.engine_id, host=self.config.side_channel_host,
-                                 port=port, secret=self.config.secret)
+        try:
+            server = HandshakeServer(self.config.engine_id, host=self.config.side_channel_host,
+                                     port=port, secret=self.config.secret)
+        except OSError as exc:  # name kvlink's setting: the engine's own port is the first guess
+            raise OSError(exc.errno, f"kvlink's side channel (side_channel_host "
+                                     f"{self.config.side_channel_host!r}, side_channel_port "
+                                     f"{self.config.side_channel_port} + TP rank {self.tp_rank} = port {port}) "
+                                     f"cannot listen: {exc.strerror or exc}") from exc
         self._payload = HandshakePayload(
             version=PROTOCOL_VERSION, engine_id=self.config.engine_id, tp_rank=self.tp_rank,
             tp_size=self.tp_size, compat_hash=self.model.compat_hash(), agent_name=name,
