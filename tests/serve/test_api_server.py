@@ -189,6 +189,9 @@ def test_unknown_route_is_an_openai_style_404(fake_app: Any) -> None:
     assert response.status_code == 404
     assert response.json()["error"]["code"] == "not_found"
     assert "/v1/embeddings" in response.json()["error"]["message"]
+    with TestClient(fake_app) as client:
+        wrong_method = client.get("/v1/completions")
+    assert wrong_method.status_code == 405 and wrong_method.json()["error"]["code"] == "method_not_allowed"
 
 
 def test_busy_engine_is_503_with_retry_after(fake_app: Any, fake_engine: FakeEngine) -> None:

@@ -87,7 +87,7 @@ def install_error_handlers(app: FastAPI) -> None:
         carried = getattr(error, "api_error", None)
         if isinstance(carried, APIError):
             return carried.response()
-        code = "not_found" if error.status_code == 404 else None
+        code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, f"http_{error.status_code}")
         return error_response(error.status_code, f"{error.detail}: {request.method} {request.url.path}", code)
 
     app.add_exception_handler(APIError, on_api_error)
