@@ -14,7 +14,12 @@ from kvlink.integrations.vllm.layout import (
     order_layers,
     page_order_for,
 )
-from kvlink.integrations.vllm.options import BadExtraConfig, connector_config, known_keys
+from kvlink.integrations.vllm.options import (
+    BadExtraConfig,
+    connector_config,
+    known_keys,
+    with_start_incarnation,
+)
 
 SECRET = "s" * 40
 
@@ -199,3 +204,14 @@ def test_shorten_queue_spin_changes_reader_queues_only() -> None:
     assert reader._spin_condition.busy_loop_s == 0.002  # type: ignore[attr-defined]
     assert writer._spin_condition.busy_loop_s == 1.0  # type: ignore[attr-defined]
     assert shorten_queue_spin(0.002) == 0, "already short: nothing to change"
+
+
+def test_each_vllm_start_has_its_own_incarnation() -> None:
+    """A P restarted under a fixed engine_id must not serve its earlier start's params: the
+    default incarnation follows vLLM's per-start instance id; one set in the extra config wins."""
+    base = connector_config({}, engine_id="p-fixed", load_failure_policy="fail")
+    first, second = with_start_incarnation(base, "1765000000000000001"), with_start_incarnation(base, "1765000000000000002")
+    assert first.incarnation == "vllm-1765000000000000001" and first.incarnation != second.incarnation
+    assert with_start_incarnation(base, "").incarnation is None
+    fixed = connector_config({"incarnation": "mine"}, engine_id="p-fixed", load_failure_policy="fail")
+    assert with_start_incarnation(fixed, "17650").incarnation == "mine"

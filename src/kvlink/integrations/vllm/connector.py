@@ -42,6 +42,7 @@ from kvlink.integrations.vllm.options import (
     metrics_port,
     queue_busy_poll_s,
     stuck_step_dump_s,
+    with_start_incarnation,
 )
 from kvlink.integrations.vllm.scheduler_side import SchedulerSide
 from kvlink.integrations.vllm.spin import shorten_queue_spin
@@ -172,12 +173,7 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
         self.config = connector_config(
             transfer.kv_connector_extra_config, engine_id=str(transfer.engine_id),
             load_failure_policy=str(transfer.kv_load_failure_policy))
-        start = str(getattr(vllm_config, "instance_id", "") or "")
-        if self.config.incarnation is None and start:
-            # One start of this vLLM: set once in the API server process, the same in the
-            # engine core and every worker (they get the config pickled). A P restarted under a
-            # fixed engine_id then gets another, and D refuses the earlier start's params.
-            self.config = replace(self.config, incarnation=f"vllm-{start}")
+        self.config = with_start_incarnation(self.config, getattr(vllm_config, "instance_id", ""))
         cache = vllm_config.cache_config
         model_config = vllm_config.model_config
         parallel = vllm_config.parallel_config

@@ -153,3 +153,14 @@ def connector_config(
     if config.insecure_unsigned_params and resolve_secret(config.secret) is None:
         log.warning("kvlink: %s", INSECURE_WARNING)
     return config
+
+
+def with_start_incarnation(config: ConnectorConfig, instance_id: object) -> ConnectorConfig:
+    """The config with this vLLM start's incarnation, unless the extra config set one.
+    vLLM sets `instance_id` once per start in the API server process; the engine core and
+    every worker get the config pickled, so all of one start agree on it, and a P restarted
+    under a fixed `engine_id` gets another one (D then refuses the earlier start's params)."""
+    start = str(instance_id or "")
+    if config.incarnation is not None or not start:
+        return config
+    return dataclasses.replace(config, incarnation=f"vllm-{start}")
