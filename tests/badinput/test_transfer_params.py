@@ -251,17 +251,19 @@ def test_params_expire_with_the_lease_p_granted() -> None:
 
 def test_params_serve_one_request_a_replay_reads_nothing() -> None:
     """P frees once D has read and may give the blocks to another request while the params
-    still look valid: a second request with the same params is refused like expired ones
-    (recompute: prefilled here, nothing read), the first may ask again, and the record
-    goes when the lease ends."""
+    still look valid: a second request with the same params, under any id, is refused like
+    expired ones (recompute: prefilled here, nothing read), and the record goes when the
+    lease ends."""
     clock = WallClock()
     params = _p_params(SECRET, PROMPT, clock)
     d = _d(SECRET, clock)
     first = _View("d1", PROMPT, params)
     d.on_new_request(first)  # type: ignore[arg-type]
-    d.on_new_request(first)  # the same request again (an engine re-entering it) is no replay
     with pytest.raises(StaleTransferParams, match="already used by request 'd1'"):
         d.on_new_request(_View("d2", PROMPT, params))  # type: ignore[arg-type]
+    # nor under the first request's id once it finished (a client may choose its X-Request-Id)
+    with pytest.raises(StaleTransferParams, match="already used by request 'd1'"):
+        d.on_new_request(_View("d1", PROMPT, params))  # type: ignore[arg-type]
     lenient = _d(SECRET, clock, policy="recompute")
     lenient.on_new_request(_View("a", PROMPT, params))  # type: ignore[arg-type]
     replay = _View("b", PROMPT, params)
@@ -289,7 +291,7 @@ def test_the_replay_record_is_bounded() -> None:
         used.claim(grant, f"d{i}", now_s=1.0)
     assert len(used) == 3  # the two whose leases end first were forgotten
     with pytest.raises(StaleTransferParams):
-        used.claim(grants[4], "other", now_s=1.0)
+        used.claim(grants[4], "d4", now_s=1.0)
     with pytest.raises(ValueError, match="capacity"):
         UsedParams(capacity=0)
 

@@ -192,6 +192,7 @@ def test_unknown_route_is_an_openai_style_404(fake_app: Any) -> None:
     with TestClient(fake_app) as client:
         wrong_method = client.get("/v1/completions")
     assert wrong_method.status_code == 405 and wrong_method.json()["error"]["code"] == "method_not_allowed"
+    assert wrong_method.headers.get("allow") == "POST"
 
 
 def test_busy_engine_is_503_with_retry_after(fake_app: Any, fake_engine: FakeEngine) -> None:

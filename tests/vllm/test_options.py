@@ -215,3 +215,11 @@ def test_each_vllm_start_has_its_own_incarnation() -> None:
     assert with_start_incarnation(base, "").incarnation is None
     fixed = connector_config({"incarnation": "mine"}, engine_id="p-fixed", load_failure_policy="fail")
     assert with_start_incarnation(fixed, "17650").incarnation == "mine"
+
+
+@pytest.mark.parametrize("extra", [{"side_channel_host": "h" * 257}, {"side_channel_host": "a\tb"}])
+def test_hosts_a_decoder_would_refuse_are_refused_at_start(extra: dict[str, object]) -> None:
+    with pytest.raises(BadExtraConfig, match="side_channel_host: at most 256 printable"):
+        connector_config(extra, engine_id="e", load_failure_policy="fail")
+    with pytest.raises(BadExtraConfig, match="engine_id: at most 256 printable"):
+        connector_config({}, engine_id="e" * 300, load_failure_policy="fail")

@@ -4,10 +4,12 @@ and importing it loads no vLLM (no engine)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from importlib.metadata import entry_points
 
+import pytest
 from vllm.config.kv_transfer import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
@@ -23,9 +25,12 @@ def test_installed_kvlink_declares_the_entry_point() -> None:
         f"kvlink = {ENTRY_POINT!r}: reinstall kvlink (make) so its metadata has it")
 
 
-def test_register_makes_the_name_resolve_and_may_run_again() -> None:
+def test_register_makes_the_name_resolve_and_may_run_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(plugin.START_ENV, raising=False)
     plugin.register()
+    start = os.environ[plugin.START_ENV]  # this server's start, for its processes to inherit
     plugin.register()  # vLLM calls general plugins in every process, and a test may call it again
+    assert os.environ[plugin.START_ENV] == start and len(start) == 32
     config = KVTransferConfig(kv_connector="KvlinkConnector", kv_role="kv_both")
     from kvlink.integrations.vllm.connector import KvlinkConnector
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvlink.connector.api import LoadFailurePolicy, TransferMode
+from kvlink.connector.params import MAX_ENGINE_ID_CHARS
 from kvlink.layout.limits import (
     PORT_OR_EPHEMERAL,
     SECONDS,
@@ -69,6 +70,11 @@ class ConnectorConfig:
         if not isinstance(self.side_channel_host, str) or not self.side_channel_host:
             raise ValueError(f"side_channel_host: expected a host name or address, got "
                              f"{self.side_channel_host!r}")
+        for name in ("engine_id", "side_channel_host"):  # as D accepts them in P's params
+            value = getattr(self, name)
+            if len(value) > MAX_ENGINE_ID_CHARS or not value.isprintable():
+                raise ValueError(f"{name}: at most {MAX_ENGINE_ID_CHARS} printable characters (a decode "
+                                 f"instance refuses params naming another), got {len(value)}: {value[:40]!r}")
         check_fields(self)
         if self.load_failure_policy not in ("recompute", "fail"):
             raise ValueError(f"load_failure_policy must be 'recompute' or 'fail', got {self.load_failure_policy!r}")

@@ -35,27 +35,26 @@ class UsedParams:
                 params.kv_signature, params.kv_expires_at_ms)
 
     def claim(self, params: RemotePrefillParams, request_id: str, now_s: float) -> None:
-        """Record that `request_id` uses `params`; raise `StaleTransferParams` when another
-        request took them first. Params with no expiry are not tracked (only unsigned params
-        lack one: the operator opted out of these checks)."""
+        """Record that `request_id` uses `params`; raise `StaleTransferParams` when a request
+        took them before (another, or one that finished under the same id: engines enter a
+        request once). Params with no expiry are not tracked."""
         if params.kv_expires_at_ms is None:
             return
         self._forget(now_s * 1000)
         key = self.key(params)
         owner = self._owner.get(key)
-        if owner is not None and owner != request_id:
+        if owner is not None:
             raise StaleTransferParams(
                 f"kv_transfer_params of P's request {params.remote_request_id!r} were already used by "
                 f"request {owner!r} on this instance: P frees its blocks once they are read and may "
                 "have given them to another request; params are good for one request, send the "
                 "request through the prefill instance again")
-        if owner is None:
-            self._owner[key] = request_id
-            self._order += 1
-            heapq.heappush(self._expiry, (params.kv_expires_at_ms, self._order, key))
-            while len(self._owner) > self.capacity:
-                _, _, oldest = heapq.heappop(self._expiry)
-                self._owner.pop(oldest, None)
+        self._owner[key] = request_id
+        self._order += 1
+        heapq.heappush(self._expiry, (params.kv_expires_at_ms, self._order, key))
+        while len(self._owner) > self.capacity:
+            _, _, oldest = heapq.heappop(self._expiry)
+            self._owner.pop(oldest, None)
 
     def _forget(self, now_ms: float) -> None:
         while self._expiry and self._expiry[0][0] < now_ms:

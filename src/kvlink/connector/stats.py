@@ -8,7 +8,7 @@ from typing import Any
 _BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 # Remote engines with a label of their own in the per-engine counters; the rest share one.
 MAX_LABELLED_ENGINES = 64
-OTHER_ENGINES = "other"
+OTHER_ENGINES = "__other__"
 
 
 @dataclass

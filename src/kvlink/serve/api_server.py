@@ -254,11 +254,18 @@ def build_app(
             return
         engine_stats["last"], engine_stats["at"] = stats, time.monotonic()
 
+    async def stop_asking() -> None:
+        asking = engine_stats["asking"]
+        if asking is not None and not asking.done() and asking.get_loop() is asyncio.get_running_loop():
+            asking.cancel()
+
+    app.router.add_event_handler("shutdown", stop_asking)
+
     @app.get("/metrics")
     async def prometheus() -> Response:
         text = metrics.render()
         asking = engine_stats["asking"]
-        if asking is None or asking.done():
+        if asking is None or asking.done() or asking.get_loop() is not asyncio.get_running_loop():
             asking = engine_stats["asking"] = asyncio.ensure_future(fresh_stats())
         # metrics must render even while the engine is busy or gone
         await asyncio.wait({asking}, timeout=_SCRAPE_WAIT_S)

@@ -88,7 +88,10 @@ def install_error_handlers(app: FastAPI) -> None:
         if isinstance(carried, APIError):
             return carried.response()
         code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, f"http_{error.status_code}")
-        return error_response(error.status_code, f"{error.detail}: {request.method} {request.url.path}", code)
+        answer = error_response(error.status_code, f"{error.detail}: {request.method} {request.url.path}", code)
+        for name, value in (error.headers or {}).items():  # e.g. a 405's Allow
+            answer.headers[name] = value
+        return answer
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)

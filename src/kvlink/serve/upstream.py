@@ -144,7 +144,9 @@ def _status_error(side: str, url: str, response: httpx.Response) -> APIError:
         # its side needs, a configuration fault, not the client's.
         return APIError(
             502, f"{side} instance {url} refused the kv_transfer_params the proxy sent it (HTTP "
-                 f"{status}): {message}; is it running with --role {side}?", f"{side}_failed",
+                 f"{status}): {message}. The client sent none: this is a fault between the proxy, P "
+                 f"and D (e.g. an upstream not running with --role {side}, or P and D set up "
+                 f"differently)", f"{side}_failed",
         )
     if status < 500:
         return APIError(

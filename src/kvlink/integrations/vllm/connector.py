@@ -44,6 +44,7 @@ from kvlink.integrations.vllm.options import (
     stuck_step_dump_s,
     with_start_incarnation,
 )
+from kvlink.integrations.vllm.plugin import START_ENV
 from kvlink.integrations.vllm.scheduler_side import SchedulerSide
 from kvlink.integrations.vllm.spin import shorten_queue_spin
 from kvlink.integrations.vllm.stats import KvlinkPromMetrics, KvlinkStats
@@ -173,7 +174,7 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
         self.config = connector_config(
             transfer.kv_connector_extra_config, engine_id=str(transfer.engine_id),
             load_failure_policy=str(transfer.kv_load_failure_policy))
-        self.config = with_start_incarnation(self.config, getattr(vllm_config, "instance_id", ""))
+        self.config = with_start_incarnation(self.config, os.environ.get(START_ENV, ""))
         cache = vllm_config.cache_config
         model_config = vllm_config.model_config
         parallel = vllm_config.parallel_config

@@ -98,6 +98,7 @@ def server_env(spec: VllmServerSpec) -> dict[str, str]:
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"),
+        "KVLINK_VLLM_START": "",  # each server a start of its own (not this process's, if it loaded the plugin)
         **spec.env,
     }
 

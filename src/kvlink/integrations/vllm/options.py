@@ -155,12 +155,14 @@ def connector_config(
     return config
 
 
-def with_start_incarnation(config: ConnectorConfig, instance_id: object) -> ConnectorConfig:
+def with_start_incarnation(config: ConnectorConfig, start_id: str) -> ConnectorConfig:
     """The config with this vLLM start's incarnation, unless the extra config set one.
-    vLLM sets `instance_id` once per start in the API server process; the engine core and
-    every worker get the config pickled, so all of one start agree on it, and a P restarted
-    under a fixed `engine_id` gets another one (D then refuses the earlier start's params)."""
-    start = str(instance_id or "")
+    `start_id` is the server's `$KVLINK_VLLM_START` (`plugin.START_ENV`): set by its first
+    process and inherited by the engine core and the workers, so all of one start agree on
+    it (vLLM's own `instance_id` is not: it is set again whenever a config is copied), and a
+    P restarted under a fixed `engine_id` gets another (D then refuses the earlier start's
+    params)."""
+    start = str(start_id or "")
     if config.incarnation is not None or not start:
         return config
     return dataclasses.replace(config, incarnation=f"vllm-{start}")

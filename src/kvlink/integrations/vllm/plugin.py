@@ -7,7 +7,14 @@ the connector class (torch, NIXL) loads when vLLM first asks the factory for it.
 
 from __future__ import annotations
 
+import os
+import uuid
+
 CONNECTOR_NAME = "KvlinkConnector"
+# One start of a vLLM server: set by the first of its processes that loads the plugin (the
+# API server) and inherited by the engine core and the workers it spawns. The connector
+# names its incarnation after it, so a P restarted under a fixed engine_id is told apart.
+START_ENV = "KVLINK_VLLM_START"
 CONNECTOR_MODULE = "kvlink.integrations.vllm.connector"
 
 _registered = False
@@ -21,6 +28,8 @@ def register() -> None:
     name registered twice, so a second call here does nothing.
     """
     global _registered
+    if not os.environ.get(START_ENV):
+        os.environ[START_ENV] = uuid.uuid4().hex
     if _registered:
         return
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
