@@ -183,7 +183,7 @@ def test_params_handed_back_unused_name_the_held_request_only_when_p_issued_them
     engines' and altered params are refused, expired ones and an earlier start's name nothing."""
     wall = Clock()
     wall.now = 1000.0
-    config = ConnectorConfig("P", secret=b"s" * 32, incarnation="inc-2", lease_s=30.0)
+    config = ConnectorConfig("P", secret=b"s" * 32, incarnation="inc2", lease_s=30.0)
     s = NixlScheduler(config, tp_size=1, wall_clock=wall)
     _, params = s.request_finished(RequestView("r1", list(range(40)), {"do_remote_decode": True}), [[1, 2, 3]],
                                    aborted=False)
@@ -196,7 +196,7 @@ def test_params_handed_back_unused_name_the_held_request_only_when_p_issued_them
         s.held_by_params({**params, "remote_engine_id": "Q"})
     with pytest.raises(InvalidTransferParams):
         s.held_by_params({**params, "remote_block_ids": "nope"})
-    other = NixlScheduler(ConnectorConfig("P", secret=b"s" * 32, incarnation="inc-3"), tp_size=1, wall_clock=wall)
+    other = NixlScheduler(ConnectorConfig("P", secret=b"s" * 32, incarnation="inc3"), tp_size=1, wall_clock=wall)
     assert other.held_by_params(params) is None  # issued before this start
     # r1's blocks went back; a later request under the same id is not freed by r1's old params
     s.update_connector_output(WorkerOutput(finished_sending={"r1"}))

@@ -48,7 +48,7 @@ def test_unknown_keys_are_refused_with_the_known_ones() -> None:
     {"transfer_mode": "sideways"}, {"secret": ""}, {"secret": 5}, {"lease_s": "long"},
     # a string is not a boolean: "false" read as true turned signing off
     {"insecure_unsigned_params": "false"}, {"separate_notifier": "no"}, {"separate_notifier": 0},
-    {"incarnation": 5}, {"incarnation": ""}, {"secret": "abc"}, {"secret": " " + "x" * 15 + " "},
+    {"incarnation": 5}, {"incarnation": ""}, {"incarnation": "my-start"}, {"incarnation": "x" * 65}, {"secret": "abc"}, {"secret": " " + "x" * 15 + " "},
     {"transfer_mode": "layerwise"},
 ])
 def test_bad_values_are_refused(extra: dict[str, object]) -> None:
@@ -208,10 +208,10 @@ def test_shorten_queue_spin_changes_reader_queues_only() -> None:
 
 def test_each_vllm_start_has_its_own_incarnation() -> None:
     """A P restarted under a fixed engine_id must not serve its earlier start's params: the
-    default incarnation follows vLLM's per-start instance id; one set in the extra config wins."""
+    default incarnation is the per-start id the plugin sets; one set in the extra config wins."""
     base = connector_config({}, engine_id="p-fixed", load_failure_policy="fail")
-    first, second = with_start_incarnation(base, "1765000000000000001"), with_start_incarnation(base, "1765000000000000002")
-    assert first.incarnation == "vllm-1765000000000000001" and first.incarnation != second.incarnation
+    first, second = with_start_incarnation(base, "f30bb13431ea"), with_start_incarnation(base, "a1f56d45")
+    assert first.incarnation == "f30bb13431ea" and first.incarnation != second.incarnation
     assert with_start_incarnation(base, "").incarnation is None
     fixed = connector_config({"incarnation": "mine"}, engine_id="p-fixed", load_failure_policy="fail")
     assert with_start_incarnation(fixed, "17650").incarnation == "mine"

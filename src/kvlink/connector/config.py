@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from kvlink.connector.api import LoadFailurePolicy, TransferMode
@@ -16,6 +17,7 @@ from kvlink.layout.limits import (
 )
 
 VERIFY_MODES = ("off", "sample", "full")
+_INCARNATION = re.compile(r"[A-Za-z0-9_.]{1,64}")
 
 
 @dataclass(frozen=True)
@@ -88,8 +90,10 @@ class ConnectorConfig:
             # a string such as "false" would read as true (insecure_unsigned_params: signing off)
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false (a JSON boolean), got {getattr(self, name)!r}")
-        if self.incarnation is not None and (not isinstance(self.incarnation, str) or not self.incarnation):
-            raise ValueError(f"incarnation must be a non-empty string, got {self.incarnation!r}")
+        if self.incarnation is not None and (
+                not isinstance(self.incarnation, str) or not _INCARNATION.fullmatch(self.incarnation)):
+            # it ends the agent names, after their last "-"
+            raise ValueError(f"incarnation must be 1 to 64 letters, digits, '_' or '.', got {self.incarnation!r}")
         if self.secret is not None and not isinstance(self.secret, bytes):
             raise ValueError(f"secret must be bytes, got {type(self.secret).__name__}")
 

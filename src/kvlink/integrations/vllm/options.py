@@ -165,4 +165,4 @@ def with_start_incarnation(config: ConnectorConfig, start_id: str) -> ConnectorC
     start = str(start_id or "")
     if config.incarnation is not None or not start:
         return config
-    return dataclasses.replace(config, incarnation=f"vllm-{start}")
+    return dataclasses.replace(config, incarnation=start)
