@@ -142,7 +142,9 @@ def test_a_tp_instance_stops_cleanly_on_ctrl_c_and_sigterm_to_its_group(sig: sig
     follower rank must not die of it before rank 0's orderly stop, which talks to it (that gave
     three tracebacks and exit 1); rank 0 stops its engine, connector and followers, exit 0."""
     env = {**os.environ, "UCX_NET_DEVICES": "lo", "KVLINK_SECRET": "ab" * 32}
-    port, kv_port = free_port(), free_port()
+    # rank r's side channel listens on kv_port + r: both must be free (a taken kv_port + 1
+    # killed the follower at startup once, in a full suite run)
+    port, kv_port = free_port(), free_port(span=2)
     live = subprocess.Popen([*KVLINK, "serve", "--role", "decode", "--model", "tiny-hybrid", "--tp", "2",
                              "--port", str(port), "--kv-port", str(kv_port), "--num-blocks", "32", "--threads", "1"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
