@@ -565,6 +565,54 @@ def test_a_layerwise_proxy_follows_a_restarted_p_after_one_failed_request() -> N
         assert [status() for _ in range(3)] == [200, 200, 200]
 
 
+def test_a_late_answer_of_ps_earlier_start_does_not_teach_its_endpoint_again() -> None:
+    """A layerwise request's P answer may arrive after D answered. If P restarted meanwhile
+    and the next request failed (D refused the old engine id, the proxy forgot it), that late
+    answer names P's earlier start: learning from it sent the request after that to the dead
+    engine again (a flaky failure of the test above)."""
+    state = {"engine": "P-1", "calls": 0}
+    app = FastAPI()
+
+    @app.get("/v1/kv_endpoint")
+    async def endpoint() -> JSONResponse:
+        return JSONResponse({"remote_engine_id": state["engine"], "remote_host": "127.0.0.1", "remote_port": 1,
+                             "tp_size": 1})
+
+    @app.post("/v1/completions")
+    async def prefill() -> JSONResponse:
+        state["calls"] += 1
+        engine = state["engine"]
+        if state["calls"] == 1:
+            await asyncio.sleep(1.5)  # the first answer comes late, naming the engine it began as
+        return JSONResponse({"choices": [{"text": "x", "index": 0}], "kv_transfer_params": {
+            "do_remote_prefill": True, "remote_engine_id": engine, "remote_request_id": "r",
+            "remote_block_ids": [[1]], "remote_host": "127.0.0.1", "remote_port": 1, "tp_size": 1}})
+
+    decode = FastAPI()
+
+    @decode.post("/v1/completions")
+    async def decode_leg(body: dict[str, object]) -> JSONResponse:
+        named = body["kv_transfer_params"]["remote_engine_id"]  # type: ignore[index]
+        if named != state["engine"]:
+            return JSONResponse({"error": {"message": f"handshake refused: not {named!r}",
+                                           "code": "invalid_kv_transfer_params"}}, status_code=400)
+        return JSONResponse({"choices": [{"text": "decoded", "index": 0, "finish_reason": "length"}]})
+
+    with ExitStack() as stack:
+        p_url = stack.enter_context(serve_in_thread(app))
+        d_url = stack.enter_context(serve_in_thread(decode))
+        proxy = stack.enter_context(serve_in_thread(build_proxy_app([p_url], [d_url], timeout_s=30.0, mode="layerwise")))
+
+        def status() -> int:
+            return httpx.post(f"{proxy}/v1/completions", json={"prompt": "hi"}, timeout=10).status_code
+
+        assert status() == 200  # D answered; P's answer is still on its way
+        state["engine"] = "P-2"  # P restarted
+        assert status() == 502  # D refused the old engine id: the proxy forgets it
+        time.sleep(2.0)  # P's late answer (naming P-1) lands
+        assert [status() for _ in range(3)] == [200, 200, 200]
+
+
 def test_a_prefill_instance_whose_endpoint_was_unavailable_is_asked_again() -> None:
     """Only a 404 from `/v1/kv_endpoint` (a P without one, e.g. vLLM) is remembered; a P that
     answered 503 (starting up) is asked again on the next layerwise request (its classic

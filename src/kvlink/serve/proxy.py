@@ -214,7 +214,7 @@ def build_proxy_app(
             raise APIError(502, f"prefill instance {instance.url} answered without "
                                 "kv_transfer_params; is it running with --role prefill?",
                            "prefill_failed")
-        learn_endpoint(instance.url, params)
+        learn_endpoint(instance.url, params, started)
         return params, prefill_s, instance.url
 
     handing_back: set[asyncio.Task[None]] = set()
@@ -333,15 +333,26 @@ def build_proxy_app(
     no_endpoint: set[str] = set()
     endpoint_keys = ("remote_engine_id", "remote_host", "remote_port", "tp_size")
 
-    def learn_endpoint(url: str, params: dict[str, Any]) -> None:
+    # When a failed layerwise request made the proxy forget a P's endpoint: an answer to a call
+    # made before then may name P as it was before a restart, and must not teach it again.
+    forgotten_at: dict[str, float] = {}
+
+    def learn_endpoint(url: str, params: dict[str, Any], asked_at: float) -> None:
         """P's params name its side channel as it is now (a restarted P has a new engine id)."""
+        if asked_at < forgotten_at.get(url, float("-inf")):
+            return
         if all(key in params for key in endpoint_keys):
             endpoints[url] = {key: params[key] for key in endpoint_keys}
+
+    def forget_endpoint(url: str) -> None:
+        forgotten_at[url] = time.monotonic()
+        endpoints.pop(url, None)
 
     async def kv_endpoint(instance: Instance) -> dict[str, Any] | None:
         known = endpoints.get(instance.url)
         if known is not None or instance.url in no_endpoint:
             return known
+        asked_at = time.monotonic()
         try:
             response = await asyncio.wait_for(client.get(instance.url + "/v1/kv_endpoint"), timeout_s)
         except Exception as error:
@@ -353,8 +364,10 @@ def build_proxy_app(
             if response.status_code == 404:  # not one of ours (vLLM); a P starting up is asked again
                 no_endpoint.add(instance.url)
             return None
-        endpoints[instance.url] = dict(response.json())
-        return endpoints[instance.url]
+        endpoint = dict(response.json())
+        if asked_at >= forgotten_at.get(instance.url, float("-inf")):
+            endpoints[instance.url] = endpoint
+        return endpoint
 
     async def route_layerwise(raw: Request, path: str, body: dict[str, Any], headers: dict[str, str],
                               started: float) -> Response | None:
@@ -371,6 +384,7 @@ def build_proxy_app(
         if endpoint is None:
             prefill.release(p_instance)
             return None
+        asked_at = time.monotonic()
         p_call = asyncio.ensure_future(post_json("prefill", p_instance, path, layerwise_prefill_body(body, request_id), headers))
         p_call.add_done_callback(lambda _: prefill.release(p_instance))
 
@@ -384,7 +398,7 @@ def build_proxy_app(
             else:
                 params = task.result().get("kv_transfer_params")
                 if isinstance(params, dict):
-                    learn_endpoint(p_instance.url, params)
+                    learn_endpoint(p_instance.url, params, asked_at)
                 taken = time.monotonic() - started
                 metrics.observe("prefill_seconds", taken)
                 # P's leg of a layerwise request (its queue, prefill and answer), as the
@@ -419,7 +433,7 @@ def build_proxy_app(
                 # P may have restarted under another engine id (D then refuses the handshake):
                 # the next layerwise request asks P again, or goes the classic way for a P
                 # without /v1/kv_endpoint, whose answer names P as it is now.
-                endpoints.pop(p_instance.url, None)
+                forget_endpoint(p_instance.url)
             else:  # D may be taking P's WRITEs: only its own cancel may end them
                 p_call.cancel()
             raise
