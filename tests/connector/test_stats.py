@@ -5,6 +5,13 @@ from __future__ import annotations
 from kvlink.connector.stats import ConnectorStats, PrometheusExporter, TransferRecord
 
 
+def rendered(stats: ConnectorStats, exporter: PrometheusExporter | None = None) -> str:
+    """The Prometheus text after `exporter` (a fresh one by default) takes `stats`' snapshot."""
+    exporter = exporter or PrometheusExporter()
+    exporter.update(stats.take())
+    return exporter.render()
+
+
 def test_snapshot_resets_transfers_but_keeps_counters() -> None:
     s = ConnectorStats()
     s.record(TransferRecord("r", 0.002, 0.001, 4096, 3))
@@ -20,9 +27,7 @@ def test_prometheus_text_has_counters_and_cumulative_histograms() -> None:
     s = ConnectorStats()
     s.record(TransferRecord("a", 0.002, 0.001, 4096, 3))
     s.record(TransferRecord("b", 0.2, 0.001, 1 << 20, 300))
-    exp = PrometheusExporter()
-    exp.update(s.take())
-    text = exp.render()
+    text = rendered(s)
     assert "kvlink_transfers_total 2" in text
     assert 'kvlink_xfer_time_seconds_bucket{le="0.0025"} 1' in text
     assert 'kvlink_xfer_time_seconds_bucket{le="+Inf"} 2' in text
@@ -40,14 +45,12 @@ def test_exporter_renders_per_engine_counters_and_gauges() -> None:
     stats.count_engine("failed_handshakes_by_engine_total", 'odd"id')
     stats.gauges["pending_sends"] = 3
     exporter = PrometheusExporter()
-    exporter.update(stats.take())
-    text = exporter.render()
+    text = rendered(stats, exporter)
     assert 'kvlink_handshakes_total{remote_engine="P1"} 2' in text
     assert 'kvlink_failed_handshakes_by_engine_total{remote_engine="odd\\"id"} 1' in text
     assert "# TYPE kvlink_pending_sends gauge\nkvlink_pending_sends 3" in text
     stats.gauges["pending_sends"] = 0
-    exporter.update(stats.take())
-    assert "kvlink_pending_sends 0" in exporter.render()  # a gauge follows the level, down too
+    assert "kvlink_pending_sends 0" in rendered(stats, exporter)  # a gauge follows the level, down too
 
 
 def test_prometheus_numbers_are_exact_and_parse() -> None:
@@ -58,9 +61,7 @@ def test_prometheus_numbers_are_exact_and_parse() -> None:
     s = ConnectorStats()
     s.record(TransferRecord("a", 0.002, 0.001, 81_838_080, 3))
     s.gauges["pending_send_blocks"] = 12_345_678
-    exp = PrometheusExporter()
-    exp.update(s.take())
-    text = exp.render()
+    text = rendered(s)
     assert "kvlink_bytes_transferred_sum 81838080" in text
     assert 'kvlink_bytes_transferred_bucket{le="1048576"} 0' in text
     assert "kvlink_pending_send_blocks 12345678" in text

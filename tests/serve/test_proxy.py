@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from typing import Any
 
 import httpx
 import pytest
@@ -522,11 +523,14 @@ def test_params_d_is_done_with_go_back_to_p(decode: str, client_timeout_s: float
         assert not handed_back
 
 
-def test_a_layerwise_proxy_follows_a_restarted_p_after_one_failed_request() -> None:
-    """The proxy keeps P's side channel from `/v1/kv_endpoint`. P restarted under a new
-    engine id makes D refuse the handshake: that request fails (retryable), the proxy forgets
-    the endpoint, asks P again and the next request goes through (it used to fail for good)."""
-    state = {"engine": "P-1"}
+@contextmanager
+def restartable_p_behind_a_layerwise_proxy(late_first_answer_s: float = 0.0) -> Iterator[tuple[dict[str, Any], Any]]:
+    """A fake P whose engine id is `state["engine"]` (a test sets another to restart it), a
+    fake D that refuses params naming any other engine (as a handshake would), and a
+    layerwise proxy before them. Yields (state, status): status() sends one request through
+    the proxy. `late_first_answer_s`: P answers its first call that much later, naming the
+    engine it began as."""
+    state: dict[str, Any] = {"engine": "P-1", "calls": 0}
     app = FastAPI()
 
     @app.get("/v1/kv_endpoint")
@@ -536,8 +540,12 @@ def test_a_layerwise_proxy_follows_a_restarted_p_after_one_failed_request() -> N
 
     @app.post("/v1/completions")
     async def prefill() -> JSONResponse:
+        state["calls"] += 1
+        engine = state["engine"]
+        if state["calls"] == 1 and late_first_answer_s:
+            await asyncio.sleep(late_first_answer_s)
         return JSONResponse({"choices": [{"text": "x", "index": 0}], "kv_transfer_params": {
-            "do_remote_prefill": True, "remote_engine_id": state["engine"], "remote_request_id": "r",
+            "do_remote_prefill": True, "remote_engine_id": engine, "remote_request_id": "r",
             "remote_block_ids": [[1]], "remote_host": "127.0.0.1", "remote_port": 1, "tp_size": 1}})
 
     decode = FastAPI()
@@ -559,6 +567,14 @@ def test_a_layerwise_proxy_follows_a_restarted_p_after_one_failed_request() -> N
         def status() -> int:
             return httpx.post(f"{proxy}/v1/completions", json={"prompt": "hi"}, timeout=10).status_code
 
+        yield state, status
+
+
+def test_a_layerwise_proxy_follows_a_restarted_p_after_one_failed_request() -> None:
+    """The proxy keeps P's side channel from `/v1/kv_endpoint`. P restarted under a new
+    engine id makes D refuse the handshake: that request fails (retryable), the proxy forgets
+    the endpoint, asks P again and the next request goes through (it used to fail for good)."""
+    with restartable_p_behind_a_layerwise_proxy() as (state, status):
         assert status() == 200
         state["engine"] = "P-2"  # P restarted
         assert status() == 502  # D refused the old engine id
@@ -570,42 +586,7 @@ def test_a_late_answer_of_ps_earlier_start_does_not_teach_its_endpoint_again() -
     and the next request failed (D refused the old engine id, the proxy forgot it), that late
     answer names P's earlier start: learning from it sent the request after that to the dead
     engine again (a flaky failure of the test above)."""
-    state = {"engine": "P-1", "calls": 0}
-    app = FastAPI()
-
-    @app.get("/v1/kv_endpoint")
-    async def endpoint() -> JSONResponse:
-        return JSONResponse({"remote_engine_id": state["engine"], "remote_host": "127.0.0.1", "remote_port": 1,
-                             "tp_size": 1})
-
-    @app.post("/v1/completions")
-    async def prefill() -> JSONResponse:
-        state["calls"] += 1
-        engine = state["engine"]
-        if state["calls"] == 1:
-            await asyncio.sleep(1.5)  # the first answer comes late, naming the engine it began as
-        return JSONResponse({"choices": [{"text": "x", "index": 0}], "kv_transfer_params": {
-            "do_remote_prefill": True, "remote_engine_id": engine, "remote_request_id": "r",
-            "remote_block_ids": [[1]], "remote_host": "127.0.0.1", "remote_port": 1, "tp_size": 1}})
-
-    decode = FastAPI()
-
-    @decode.post("/v1/completions")
-    async def decode_leg(body: dict[str, object]) -> JSONResponse:
-        named = body["kv_transfer_params"]["remote_engine_id"]  # type: ignore[index]
-        if named != state["engine"]:
-            return JSONResponse({"error": {"message": f"handshake refused: not {named!r}",
-                                           "code": "invalid_kv_transfer_params"}}, status_code=400)
-        return JSONResponse({"choices": [{"text": "decoded", "index": 0, "finish_reason": "length"}]})
-
-    with ExitStack() as stack:
-        p_url = stack.enter_context(serve_in_thread(app))
-        d_url = stack.enter_context(serve_in_thread(decode))
-        proxy = stack.enter_context(serve_in_thread(build_proxy_app([p_url], [d_url], timeout_s=30.0, mode="layerwise")))
-
-        def status() -> int:
-            return httpx.post(f"{proxy}/v1/completions", json={"prompt": "hi"}, timeout=10).status_code
-
+    with restartable_p_behind_a_layerwise_proxy(late_first_answer_s=1.5) as (state, status):
         assert status() == 200  # D answered; P's answer is still on its way
         state["engine"] = "P-2"  # P restarted
         assert status() == 502  # D refused the old engine id: the proxy forgets it

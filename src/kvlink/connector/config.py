@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 
 from kvlink.connector.api import LoadFailurePolicy, TransferMode
-from kvlink.connector.params import MAX_ENGINE_ID_CHARS
+from kvlink.connector.params import MAX_ENGINE_ID_CHARS, is_engine_name
 from kvlink.layout.limits import (
     PORT_OR_EPHEMERAL,
     SECONDS,
@@ -74,7 +74,7 @@ class ConnectorConfig:
                              f"{self.side_channel_host!r}")
         for name in ("engine_id", "side_channel_host"):  # as D accepts them in P's params
             value = getattr(self, name)
-            if len(value) > MAX_ENGINE_ID_CHARS or not value.isprintable():
+            if not is_engine_name(value):
                 raise ValueError(f"{name}: at most {MAX_ENGINE_ID_CHARS} printable characters (a decode "
                                  f"instance refuses params naming another), got {len(value)}: {value[:40]!r}")
         check_fields(self)

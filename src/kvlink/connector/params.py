@@ -61,6 +61,11 @@ TRANSFER_MODES = ("pull", "push", "layerwise")
 MAX_ENGINE_ID_CHARS = 256
 
 
+def is_engine_name(value: str) -> bool:
+    """An engine id or host a decoder takes in P's params: 1 to 256 printable characters."""
+    return 0 < len(value) <= MAX_ENGINE_ID_CHARS and value.isprintable()
+
+
 def _normalize_block_ids(raw: Any) -> Any:
     """Accept one flat list (single group, as vLLM sends without HMA) or a list per group."""
     if isinstance(raw, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in raw):
@@ -94,7 +99,7 @@ def parse_remote_prefill(params: dict[str, Any]) -> RemotePrefillParams:
                                     f"bytes, got {len(parsed.remote_request_id.encode())}")
     for name in ("remote_engine_id", "remote_host"):
         value = getattr(parsed, name)
-        if not value or len(value) > MAX_ENGINE_ID_CHARS or not value.isprintable():
+        if not is_engine_name(value):
             raise InvalidTransferParams(f"kv_transfer_params.{name} must be 1 to {MAX_ENGINE_ID_CHARS} "
                                         f"printable characters, got {len(value)}")
     if not 0 < parsed.remote_port < 65536:

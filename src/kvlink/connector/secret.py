@@ -41,6 +41,14 @@ def new_secret() -> str:
     return secrets.token_hex(32)
 
 
+def too_short(value: bytes, source: str) -> str | None:
+    """Why a secret from `source` is refused for its length, or None."""
+    if len(value.strip()) >= MIN_SECRET_BYTES:
+        return None
+    return (f"{source} holds a secret of {len(value.strip())} bytes; it must be at least "
+            f"{MIN_SECRET_BYTES} bytes (random); {HOW_TO_SET}")
+
+
 def load_secret(secret_file: str | Path | None = None,
                 environ: Mapping[str, str] = os.environ) -> bytes | None:
     """The file's contents (surrounding whitespace stripped) if a file is given, else
@@ -63,9 +71,8 @@ def load_secret(secret_file: str | Path | None = None,
     except UnicodeDecodeError:  # it travels to TP followers in the environment
         raise ValueError(f"{source} is not UTF-8 text; write the secret as text, e.g. hex "
                          "(python -c 'import secrets; print(secrets.token_hex(32))')") from None
-    if len(value) < MIN_SECRET_BYTES:
-        raise ValueError(f"{source} holds a secret of {len(value)} bytes; it must be at least "
-                         f"{MIN_SECRET_BYTES} bytes (random); {HOW_TO_SET}")
+    if (why := too_short(value, source)) is not None:
+        raise ValueError(why)
     return value
 
 
@@ -79,8 +86,6 @@ def require_secret(secret: bytes | None, insecure_unsigned_params: bool, engine_
             f"kv_transfer_params; {HOW_TO_SET}. To run without one on a fully trusted network, "
             "pass --insecure-unsigned-params to `kvlink serve`, or set insecure_unsigned_params: true "
             "in vLLM's kv_connector_extra_config (ConnectorConfig.insecure_unsigned_params=True)")
-    if resolved is not None and len(resolved.strip()) < MIN_SECRET_BYTES:
-        raise MissingSecret(
-            f"connector {engine_id!r}: the shared secret has {len(resolved.strip())} bytes; it must be "
-            f"at least {MIN_SECRET_BYTES} bytes (random); {HOW_TO_SET}")
+    if resolved is not None and (why := too_short(resolved, f"connector {engine_id!r}'s shared secret")):
+        raise MissingSecret(why)
     return resolved

@@ -63,7 +63,7 @@ class ConnectorStats:
 
     def count_engine(self, name: str, engine_id: str, n: int = 1) -> None:
         """Count under a remote engine's label; past `MAX_LABELLED_ENGINES` distinct engines
-        (a client naming made-up engines) further ones count under `other`."""
+        (a client naming made-up engines) further ones count under `OTHER_ENGINES`."""
         if engine_id not in self._engines:
             if len(self._engines) >= MAX_LABELLED_ENGINES:
                 engine_id = OTHER_ENGINES

@@ -90,20 +90,18 @@ class LLMEngine:
                 f"request {request_id!r}: {len(prompt_token_ids)} prompt tokens + max_tokens "
                 f"{params.max_tokens} exceed max_model_len {self.max_model_len}; shorten one of them"
             )
-        if self.connector is None and kv_transfer_params and kv_transfer_params.get("do_remote_decode", False) is not False:
-            # Colocated: nothing would keep this request's KV for a decoder; answering it would
-            # give an empty completion and no params, which a router passes on as if it were P's.
-            raise InvalidTransferParams(
-                f"request {request_id!r}: kv_transfer_params.do_remote_decode asks for a prefill whose KV "
-                f"a remote decode instance reads, but this engine has no KV connector (it serves "
-                f"colocated); send it to a prefill instance, or drop kv_transfer_params")
-        if self.connector is None and kv_transfer_params and kv_transfer_params.get("do_remote_prefill", False) is not False:
-            # Colocated: it would prefill the prompt itself and never tell P, which then holds
-            # the blocks for its whole lease.
-            raise InvalidTransferParams(
-                f"request {request_id!r}: kv_transfer_params.do_remote_prefill asks to read the prompt's KV "
-                f"from a prefill instance, but this engine has no KV connector (it serves colocated); "
-                f"send it to a decode instance, or drop kv_transfer_params")
+        # Colocated, no connector: a `do_remote_decode` answer would be an empty completion and
+        # no params, which a router passes on as P's; a `do_remote_prefill` request would be
+        # prefilled here without telling P, which then holds the blocks for its whole lease.
+        for flag, asks, instead in (("do_remote_decode", "for a prefill whose KV a remote decode instance reads",
+                                     "a prefill"),
+                                    ("do_remote_prefill", "to read the prompt's KV from a prefill instance",
+                                     "a decode")):
+            if self.connector is None and kv_transfer_params and kv_transfer_params.get(flag, False) is not False:
+                raise InvalidTransferParams(
+                    f"request {request_id!r}: kv_transfer_params.{flag} asks {asks}, but this engine has "
+                    f"no KV connector (it serves colocated); send it to {instead} instance, or drop "
+                    f"kv_transfer_params")
         request = Request(request_id, list(prompt_token_ids), params, kv_transfer_params)
         if self.connector is not None:
             # May refuse bad kv_transfer_params; the request must not be registered then.

@@ -32,6 +32,7 @@ from kvlink.serve.responses import Kind, ResponseShape, sse
 logger = logging.getLogger("kvlink.serve")
 SamplingFactory = Callable[..., Any]
 _STATS_TIMEOUT_S = 5.0
+_STATS_GIVE_UP_S = 60.0  # a scrape shows no engine gauges once the engine took this long to answer
 _SCRAPE_WAIT_S = 0.5  # how long /metrics waits for the engine's stats before serving the last ones
 
 
@@ -248,7 +249,7 @@ def build_app(
 
     async def fresh_stats() -> None:
         try:
-            stats = await asyncio.wait_for(engine.stats(), _STATS_TIMEOUT_S * 12)
+            stats = await asyncio.wait_for(engine.stats(), _STATS_GIVE_UP_S)
         except Exception:  # the engine is gone or stuck: the scrape shows no engine gauges
             engine_stats["last"] = None
             return

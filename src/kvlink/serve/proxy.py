@@ -196,10 +196,11 @@ def build_proxy_app(
 
     def log_request(request_id: str, prefill_s: float | None, decode_url: str | None,
                     started: float, outcome: str) -> None:
-        metrics.observe("total_seconds", time.monotonic() - started)  # every request, any outcome
+        total_s = time.monotonic() - started
+        metrics.observe("total_seconds", total_s)  # every request, any outcome
         prefill = "-" if prefill_s is None else f"{prefill_s * 1e3:.1f}ms"
         logger.info("request %s prefill=%s decode=%s total=%.1fms outcome=%s", request_id, prefill,
-                    decode_url or "-", (time.monotonic() - started) * 1e3, outcome)
+                    decode_url or "-", total_s * 1e3, outcome)
 
     async def run_prefill(path: str, body: dict[str, Any],
                           headers: dict[str, str]) -> tuple[dict[str, Any], float, str]:
@@ -337,11 +338,12 @@ def build_proxy_app(
     # made before then may name P as it was before a restart, and must not teach it again.
     forgotten_at: dict[str, float] = {}
 
+    def asked_since_forgotten(url: str, asked_at: float) -> bool:
+        return asked_at >= forgotten_at.get(url, float("-inf"))
+
     def learn_endpoint(url: str, params: dict[str, Any], asked_at: float) -> None:
         """P's params name its side channel as it is now (a restarted P has a new engine id)."""
-        if asked_at < forgotten_at.get(url, float("-inf")):
-            return
-        if all(key in params for key in endpoint_keys):
+        if asked_since_forgotten(url, asked_at) and all(key in params for key in endpoint_keys):
             endpoints[url] = {key: params[key] for key in endpoint_keys}
 
     def forget_endpoint(url: str) -> None:
@@ -365,7 +367,7 @@ def build_proxy_app(
                 no_endpoint.add(instance.url)
             return None
         endpoint = dict(response.json())
-        if asked_at >= forgotten_at.get(instance.url, float("-inf")):
+        if asked_since_forgotten(instance.url, asked_at):
             endpoints[instance.url] = endpoint
         return endpoint
 

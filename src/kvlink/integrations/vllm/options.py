@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvlink.connector.config import ConnectorConfig
-from kvlink.connector.secret import INSECURE_WARNING, MIN_SECRET_BYTES, load_secret
+from kvlink.connector.secret import INSECURE_WARNING, load_secret, too_short
 from kvlink.transfer.agent_config import AgentConfig
 from kvlink.transfer.framing import resolve_secret
 
@@ -130,9 +130,8 @@ def connector_config(
         if not isinstance(secret, str) or not secret.strip():
             raise BadExtraConfig("kvlink: secret must be a non-empty string")
         values["secret"] = secret.strip().encode()
-        if len(values["secret"]) < MIN_SECRET_BYTES:
-            raise BadExtraConfig(f"kvlink: secret has {len(values['secret'])} bytes; it must be at least "
-                                 f"{MIN_SECRET_BYTES} bytes (random)")
+        if (why := too_short(values["secret"], "kv_connector_extra_config's secret")) is not None:
+            raise BadExtraConfig(f"kvlink: {why}")
     if values.get("transfer_mode") == "layerwise":
         raise BadExtraConfig("kvlink: transfer_mode layerwise is chosen per request (kvlink proxy --mode "
                              "layerwise sends kv_transfer_params.transfer_mode), not as an engine default; "
